@@ -1,0 +1,560 @@
+"""Reference implementation of the certificate mathematics (docs/THEORY.md), in plain torch.
+
+This module is the oracle every kernel is tested against and the stable entry point for code
+outside the package. It favours readability over speed, runs on CPU and GPU, and computes in
+float64 when given float64 queries.
+
+Names follow docs/THEORY.md: ``scales`` are the per-group fp16 scales ``s``, ``radius`` is ``u_t``,
+``certificate`` is ``min(T1, T4, P, PA)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+# --- Philox4x32-10 (Random123) -------------------------------------------------------------------
+
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+PHILOX_ROUNDS = 10
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(multiplier: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of ``multiplier * x`` for uint32 values held in int64.
+
+    The full product needs 64 unsigned bits, which int64 cannot hold, so x is split in 16-bit
+    halves: every partial product stays below 2**49.
+    """
+    x_lo = x & 0xFFFF
+    x_hi = x >> 16
+    low_part = multiplier * x_lo  # < 2**48
+    high_part = multiplier * x_hi  # < 2**48; the product is high_part * 2**16 + low_part
+    lo = (((high_part & 0xFFFF) << 16) + low_part) & _MASK32
+    hi = (high_part + (low_part >> 16)) >> 16
+    return hi, lo
+
+
+def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Random123's philox4x32-10 block function.
+
+    ``counter``: int64 ``[..., 4]`` and ``key``: int64 ``[..., 2]``, both holding uint32 values
+    (broadcastable against each other). Returns int64 ``[..., 4]`` of uint32 values.
+    """
+    if counter.dtype != torch.int64 or key.dtype != torch.int64:
+        raise TypeError(f"counter and key must be int64 tensors, got {counter.dtype} and {key.dtype}")
+    if counter.shape[-1] != 4 or key.shape[-1] != 2:
+        raise ValueError(f"counter must be [..., 4] and key [..., 2], got {tuple(counter.shape)} and {tuple(key.shape)}")
+    if bool(((counter < 0) | (counter > _MASK32)).any()) or bool(((key < 0) | (key > _MASK32)).any()):
+        raise ValueError("counter and key words must be uint32 values (0 <= w < 2**32)")
+    c0, c1, c2, c3 = counter.unbind(-1)
+    k0, k1 = key.unbind(-1)
+    for round_index in range(PHILOX_ROUNDS):
+        if round_index:
+            k0 = (k0 + PHILOX_W0) & _MASK32
+            k1 = (k1 + PHILOX_W1) & _MASK32
+        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)
+    return torch.stack((c0, c1, c2, c3), dim=-1)
+
+
+# --- the dither stream ------------------------------------------------------------------------------
+
+Kind = Literal["k", "v"]
+KIND_BIT = {"k": 0, "v": 1}
+DITHER_BITS = (8, 16, 24)
+
+
+def dithers_per_word(dither_bits: int) -> int:
+    """How many ``dither_bits``-bit fields one 32-bit Philox word feeds (1, 2 or 4)."""
+    if dither_bits not in DITHER_BITS:
+        raise ValueError(f"dither_bits must be one of {DITHER_BITS}, got {dither_bits}")
+    return 32 // dither_bits
+
+
+def channels_per_philox_call(dither_bits: int) -> int:
+    """Channels served by one Philox call: 4 words times the fields per word (4, 8 or 16)."""
+    return 4 * dithers_per_word(dither_bits)
+
+
+def dither_counter(
+    slots: torch.Tensor, channel_block: torch.Tensor, layer: int, kv_head: torch.Tensor, kind: Kind
+) -> torch.Tensor:
+    """Philox counter words ``(slot, channel block, layer, kv_head | kind << 31)``, broadcast together.
+
+    The slot (not the sequence position) keys the stream: slots stay put under paging, prefix
+    sharing and retraction. The kind bit gives K and V independent streams.
+    """
+    if kind not in KIND_BIT:
+        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+    if not 0 <= layer <= _MASK32:
+        raise ValueError(f"layer must be in [0, 2**32), got {layer}")
+    if bool((kv_head >= 2**31).any()) or bool((kv_head < 0).any()):
+        raise ValueError("kv_head must be in [0, 2**31): the top bit of the counter word holds the K/V kind")
+    if bool((slots < 0).any()) or bool((slots > _MASK32).any()):
+        raise ValueError("slots must be in [0, 2**32)")
+    word3 = kv_head | (KIND_BIT[kind] << 31)
+    c0, c1, c3 = torch.broadcast_tensors(slots, channel_block, word3)
+    return torch.stack((c0, c1, torch.full_like(c0, layer), c3), dim=-1)
+
+
+def seed_key(seed: int) -> torch.Tensor:
+    """Philox key words for a 64-bit seed, in ``tl.philox``'s order: ``(seed & 0xffffffff, seed >> 32)``."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an unsigned 64-bit integer, got {seed}")
+    return torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64)
+
+
+def dither_fields(
+    *, seed: int, layer: int, slots: torch.Tensor, num_kv_heads: int, head_dim: int, kind: Kind, dither_bits: int
+) -> torch.Tensor:
+    """Integer dither fields ``j`` in ``[0, 2**b)`` for every (slot, kv head, channel): int64 ``[N, H_kv, D]``.
+
+    Channel ``c`` reads Philox call ``c // C`` (``C`` = channels per call); within the call, local
+    index ``i = c % C`` takes word ``i // F`` and field ``i % F`` (``F`` fields per word), fields
+    counted from the word's most significant bits.
+    """
+    per_call = channels_per_philox_call(dither_bits)
+    per_word = dithers_per_word(dither_bits)
+    if head_dim % per_call:
+        raise ValueError(f"head_dim {head_dim} must be a multiple of {per_call} for {dither_bits}-bit dither")
+    device = slots.device
+    slots = slots.to(torch.int64)
+    blocks = torch.arange(head_dim // per_call, device=device, dtype=torch.int64)
+    heads = torch.arange(num_kv_heads, device=device, dtype=torch.int64)
+    counter = dither_counter(slots[:, None, None], blocks[None, None, :], layer, heads[None, :, None], kind)
+    words = philox4x32_10(counter, seed_key(seed).to(device))  # [N, H, D / C, 4]
+    local = torch.arange(per_call, device=device)
+    word_index = local // per_word
+    field_index = local % per_word
+    picked = words[..., word_index]  # [N, H, D / C, C]
+    shift = (32 - (field_index + 1) * dither_bits).to(torch.int64)
+    fields = (picked >> shift) & ((1 << dither_bits) - 1)
+    return fields.reshape(slots.shape[0], num_kv_heads, head_dim)
+
+
+def dither_values(fields: torch.Tensor, dither_bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``xi = (j + 1/2) / 2**b - 1/2`` in ``(-1/2, 1/2)``, rounded once (to nearest) into ``dtype``.
+
+    Exact in float32 for ``b <= 16``; for ``b = 24`` the float32 value is the nearest to the exact one.
+    """
+    exact = (fields.to(torch.float64) + 0.5) / float(1 << dither_bits) - 0.5
+    return exact.to(dtype)
+
+
+# --- write path: the quantizer ------------------------------------------------------------------------
+
+QMAX = 127
+SCALE_DIVISOR = QMAX - 0.5  # |x / s| <= 126.5 keeps round(x / s + xi) inside [-127, 127]
+
+
+def fp16_scale_rounded_up(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 ``s`` with ``s * 126.5 >= amax`` (exactly), as stored.
+
+    ``amax / 126.5`` is rounded to fp16 and then stepped up while it is too small. ``s * 126.5`` is
+    exact in float32 (11 + 8 significant bits), so the comparison is exact.
+    """
+    amax = amax.to(torch.float32)
+    scale = (amax / SCALE_DIVISOR).to(torch.float16)
+    for _ in range(3):  # at most one step is needed; three make it robust to double rounding
+        too_small = scale.to(torch.float32) * SCALE_DIVISOR < amax
+        if not bool(too_small.any()):
+            break
+        scale = torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    return scale
+
+
+@dataclass
+class QuantizedKV:
+    """One side (K or V) of a quantized cache for ``N`` token slots.
+
+    ``codes`` int8 ``[N, H_kv, D]`` (outlier channels hold 0), ``scales`` fp16 ``[N, H_kv, D / G]``,
+    ``outlier_values`` ``[N, H_kv, 2m]`` in the model dtype and ``outlier_channels`` int64
+    ``[H_kv, 2m]`` (both empty when ``m = 0``). The dither is not stored: it is regenerated from
+    ``(seed, layer, slots, kind)``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    outlier_values: torch.Tensor
+    outlier_channels: torch.Tensor
+    slots: torch.Tensor
+    seed: int
+    layer: int
+    kind: Kind
+    group_size: int
+    dither_bits: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def bytes_per_token_head(self) -> int:
+        """Stored bytes per token per KV head for this side: ``D + 2 * D / G + 2 * 2m`` (fp16 outliers)."""
+        return (
+            self.head_dim * self.codes.element_size()
+            + self.scales.shape[-1] * self.scales.element_size()
+            + self.outlier_channels.shape[-1] * self.outlier_values.element_size()
+        )
+
+    def dither(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        fields = dither_fields(
+            seed=self.seed,
+            layer=self.layer,
+            slots=self.slots,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            kind=self.kind,
+            dither_bits=self.dither_bits,
+        )
+        return dither_values(fields, self.dither_bits, dtype)
+
+    def channel_scales(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Scales expanded to one per channel ``[N, H_kv, D]``; zero on outlier channels (they carry no error)."""
+        expanded = self.scales.to(dtype).repeat_interleave(self.group_size, dim=-1)
+        if self.outlier_channels.numel():
+            expanded = expanded.scatter(
+                -1, self.outlier_channels.expand(self.num_tokens, -1, -1), torch.zeros((), dtype=dtype)
+            )
+        return expanded
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``x_hat = s * (code - xi)``, with outlier channels restored exactly: ``[N, H_kv, D]``."""
+        scales = self.scales.to(dtype).repeat_interleave(self.group_size, dim=-1)
+        x_hat = scales * (self.codes.to(dtype) - self.dither(dtype))
+        if self.outlier_channels.numel():
+            index = self.outlier_channels.expand(self.num_tokens, -1, -1)
+            x_hat = x_hat.scatter(-1, index, self.outlier_values.to(dtype))
+        return x_hat
+
+
+def _check_outlier_channels(outlier_channels: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> torch.Tensor:
+    if outlier_channels is None:
+        return torch.empty(num_kv_heads, 0, dtype=torch.int64, device=device)
+    channels = torch.as_tensor(outlier_channels, device=device)
+    if channels.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"outlier_channels must be an integer tensor, got {channels.dtype}")
+    channels = channels.to(torch.int64)
+    if channels.dim() == 1:
+        channels = channels.expand(num_kv_heads, -1)
+    if channels.dim() != 2 or channels.shape[0] != num_kv_heads:
+        raise ValueError(f"outlier_channels must be [2m] or [H_kv={num_kv_heads}, 2m], got {tuple(channels.shape)}")
+    if channels.shape[1] % 2:
+        raise ValueError("outlier_channels must hold whole RoPE pairs (an even count per head)")
+    if channels.numel() and (bool((channels < 0).any()) or bool((channels >= head_dim).any())):
+        raise ValueError(f"outlier_channels must lie in [0, {head_dim})")
+    if channels.shape[1] and bool((channels.sort(-1).values.diff(dim=-1) == 0).any()):
+        raise ValueError("outlier_channels repeats a channel within a head")
+    return channels.contiguous()
+
+
+def rope_pair_channels(pairs: list[int] | torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Channels of RoPE pairs in the rotate-half layout (Llama, Qwen2): pair ``i`` is ``(i, i + D/2)``."""
+    pairs = torch.as_tensor(pairs, dtype=torch.int64)
+    if bool((pairs < 0).any()) or bool((pairs >= head_dim // 2).any()):
+        raise ValueError(f"RoPE pair indices must lie in [0, {head_dim // 2})")
+    return torch.cat((pairs, pairs + head_dim // 2)).sort().values
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    seed: int,
+    layer: int,
+    slots: torch.Tensor,
+    kind: Kind,
+    group_size: int = 32,
+    outlier_channels: torch.Tensor | None = None,
+    dither_bits: int = 24,
+) -> QuantizedKV:
+    """Subtractive-dither int8 quantization of ``x`` ``[N, H_kv, D]`` (THEORY.md section 1).
+
+    ``code = round(x / s + xi)`` with the *stored* fp16 scale ``s`` (rounded up so nothing clips);
+    outlier channels are kept exactly and left out of their group's amax.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, H_kv, D], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    num_tokens, num_kv_heads, head_dim = x.shape
+    if group_size <= 0 or head_dim % group_size:
+        raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
+    slots = torch.as_tensor(slots, device=x.device)
+    if slots.shape != (num_tokens,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be an integer tensor of shape [{num_tokens}], got {slots.dtype} {tuple(slots.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or inf: a quantized cache cannot represent it")
+    channels = _check_outlier_channels(outlier_channels, num_kv_heads, head_dim, x.device)
+    dithers_per_word(dither_bits)  # validates dither_bits before any work
+
+    x32 = x.to(torch.float32)
+    is_outlier = torch.zeros(num_kv_heads, head_dim, dtype=torch.bool, device=x.device)
+    if channels.numel():
+        is_outlier.scatter_(-1, channels, True)
+    magnitude = torch.where(is_outlier, torch.zeros((), device=x.device), x32.abs())
+    amax = magnitude.view(num_tokens, num_kv_heads, head_dim // group_size, group_size).amax(-1)
+    if bool((amax / SCALE_DIVISOR > torch.finfo(torch.float16).max).any()):
+        raise ValueError("|x| exceeds what an fp16 group scale can cover (max about 8.28e6)")
+    scales = fp16_scale_rounded_up(amax)
+
+    xi = dither_values(
+        dither_fields(
+            seed=seed, layer=layer, slots=slots, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            kind=kind, dither_bits=dither_bits,
+        ),
+        dither_bits,
+    )
+    channel_scale = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
+    safe_scale = torch.where(channel_scale > 0, channel_scale, torch.ones((), device=x.device))
+    # The stored fp16 scale is the one divided by: any other value breaks |e| <= s/2.
+    scaled = torch.where(channel_scale > 0, x32 / safe_scale, torch.zeros((), device=x.device))
+    codes = torch.round(scaled + xi)
+    codes = torch.where(is_outlier, torch.zeros((), device=x.device), codes)
+    codes = codes.to(torch.int8)
+
+    outlier_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    if channels.numel():
+        outlier_values = x.gather(-1, channels.expand(num_tokens, -1, -1)).to(outlier_dtype)
+        if outlier_dtype != x.dtype and not bool((outlier_values.to(x.dtype) == x.gather(-1, channels.expand(num_tokens, -1, -1))).all()):
+            raise ValueError("outlier channels must be exactly representable in fp16 when x is float32; pass fp16 or bf16 activations")
+    else:
+        outlier_values = torch.empty(num_tokens, num_kv_heads, 0, dtype=outlier_dtype, device=x.device)
+    return QuantizedKV(
+        codes=codes,
+        scales=scales,
+        outlier_values=outlier_values,
+        outlier_channels=channels,
+        slots=slots.to(torch.int64),
+        seed=seed,
+        layer=layer,
+        kind=kind,
+        group_size=group_size,
+        dither_bits=dither_bits,
+    )
+
+
+# --- read path: radius, accumulators, certificate -----------------------------------------------------
+
+def fp_slack(dither_bits: int) -> float:
+    """``beta``: the bias of the dithered error per unit scale, plus float32 slack (docs/THEORY.md).
+
+    ``2**-(b+1)`` is the largest mean of the discrete dither error; ``2**-16`` covers the float32
+    rounding of ``x / s`` (``2**-18``), of ``code - xi`` (``<= 2**-18``) and of ``s * (...)``
+    (``<= 2**-17``), all relative to ``s``.
+    """
+    dithers_per_word(dither_bits)
+    return 2.0 ** -(dither_bits + 1) + 2.0**-16
+
+
+# Relative slack applied to the evaluated bound: it absorbs float32 rounding in the sums of
+# non-negative terms (relative error below (n - 1) * 2**-24 for n partial sums) and in exp/expm1.
+CERTIFICATE_EVAL_SLACK = 1.0 + 2.0**-10
+
+DEFAULT_DELTA_REQ = 1e-2
+DEFAULT_HORIZON = 256
+
+
+def delta_step(
+    num_layers: int, num_q_heads: int, *, delta_req: float = DEFAULT_DELTA_REQ, horizon: int = DEFAULT_HORIZON
+) -> float:
+    """Failure probability per (layer, head, step) so that every certificate of a request holds at once
+    with probability ``>= 1 - delta_req`` (union bound over ``L * H_q * T`` certificates)."""
+    if not 0 < delta_req < 1:
+        raise ValueError(f"delta_req must be in (0, 1), got {delta_req}")
+    if num_layers <= 0 or num_q_heads <= 0 or horizon <= 0:
+        raise ValueError("num_layers, num_q_heads and horizon must be positive")
+    return delta_req / (num_layers * num_q_heads * horizon)
+
+
+def tail_multiplier(num_tokens: int, delta: float) -> float:
+    """``c = sqrt(2 ln(2 S / delta))``: a union bound over ``S`` two-sided sub-Gaussian tails."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta_step must be in (0, 1), got {delta}")
+    if num_tokens <= 0:
+        raise ValueError("num_tokens must be positive")
+    return math.sqrt(2.0 * math.log(2.0 * num_tokens / delta))
+
+
+def expm1_minus_x(x: torch.Tensor) -> torch.Tensor:
+    """``g(x) = expm1(x) - x`` without cancellation for small ``x`` (Taylor series below 0.05)."""
+    small = x.abs() < 0.05
+    series = x * x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x / 720.0))))
+    return torch.where(small, series, torch.expm1(x) - x)
+
+
+def _mul_nonneg(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Product of non-negative bounds where an overflowed (+inf) factor makes the product +inf, never NaN."""
+    return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(a * 1.0, math.inf), a * b)
+
+
+def logit_radius(
+    q: torch.Tensor, k: QuantizedKV, *, sm_scale: float, delta: float, kv_head_of_query: torch.Tensor
+) -> torch.Tensor:
+    """``u_t`` for every query head and token ``[H_q, S]`` (THEORY.md section 2)."""
+    dtype = q.dtype
+    num_q_heads, head_dim = q.shape
+    groups = head_dim // k.group_size
+    q_masked = q
+    if k.outlier_channels.numel():
+        # Outlier channels are exact: they contribute nothing to the radius.
+        mask = torch.ones(k.num_kv_heads, head_dim, dtype=dtype, device=q.device)
+        mask.scatter_(-1, k.outlier_channels, 0.0)
+        q_masked = q * mask[kv_head_of_query]
+    q_groups = q_masked.view(num_q_heads, groups, k.group_size)
+    q_sq = q_groups.square().sum(-1)  # [H_q, G]
+    q_l1 = q_groups.abs().sum(-1)  # [H_q, G]
+    scales = k.scales.to(dtype)[:, kv_head_of_query, :].permute(1, 0, 2)  # [H_q, S, G]
+    sigma = sm_scale * torch.sqrt((scales.square() * q_sq[:, None, :]).sum(-1) / 12.0)
+    bias = sm_scale * (scales * q_l1[:, None, :]).sum(-1) * fp_slack(k.dither_bits)
+    return tail_multiplier(k.num_tokens, delta) * sigma + bias
+
+
+@dataclass
+class CertificateTerms:
+    """The bound family evaluated from the accumulators, each ``[H_q]``."""
+
+    t1: torch.Tensor
+    t4: torch.Tensor
+    p: torch.Tensor
+    pa: torch.Tensor
+
+    @property
+    def certificate(self) -> torch.Tensor:
+        tightest = torch.minimum(torch.minimum(self.t1, self.t4), torch.minimum(self.p, self.pa))
+        return tightest * CERTIFICATE_EVAL_SLACK
+
+
+def certificate_from_accumulators(
+    a1_rest: torch.Tensor, b_rest: torch.Tensor, p_max: torch.Tensor, u_max: torch.Tensor
+) -> CertificateTerms:
+    """Evaluate T1, T4, P and PA (THEORY.md section 3) from the accumulators.
+
+    ``a1_rest = sum_{t != m} p~_t expm1(u_t)``, ``b_rest = sum_{t != m} p~_t g(u_t)``, and
+    ``(p_max, u_max) = (p~_m, u_m)`` at the kernel's argmax ``m``. Every term is a sum of
+    non-negative parts, so nothing cancels.
+    """
+    e_m = torch.exp(u_max)
+    expm1_m = torch.expm1(u_max)
+    g_m = expm1_minus_x(u_max)
+    rest_mass = (1.0 - p_max).clamp_min(0.0)
+    a1 = a1_rest + _mul_nonneg(p_max, expm1_m)
+    b = b_rest + _mul_nonneg(p_max, g_m)
+    u_rest = (a1_rest - b_rest).clamp_min(0.0)  # sum_{t != m} p~_t u_t
+    t4 = _mul_nonneg(e_m, a1_rest) + _mul_nonneg(expm1_m, rest_mass)
+    pa_inner = _mul_nonneg(e_m, b_rest) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, rest_mass)
+    return CertificateTerms(t1=a1, t4=t4, p=torch.sqrt(b / 2.0), pa=torch.sqrt(pa_inner / 2.0))
+
+
+@dataclass
+class DecodeResult:
+    """Output of one decode step for one sequence; accumulators follow THEORY.md section 3."""
+
+    out: torch.Tensor  # [H_q, D]
+    lse: torch.Tensor  # [H_q], natural log of sum_t exp(z~_t)
+    a1_rest: torch.Tensor  # [H_q]
+    b_rest: torch.Tensor  # [H_q]
+    p_max: torch.Tensor  # [H_q]
+    u_max: torch.Tensor  # [H_q]
+    radius: torch.Tensor  # [H_q, S], u_t
+    probs: torch.Tensor  # [H_q, S], p~_t
+    terms: CertificateTerms
+
+    @property
+    def certificate(self) -> torch.Tensor:
+        return self.terms.certificate
+
+
+def _kv_head_of_query(num_q_heads: int, num_kv_heads: int, device) -> torch.Tensor:
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    return torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads)
+
+
+def decode_attention(
+    q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, *, sm_scale: float | None = None, delta_step: float
+) -> DecodeResult:
+    """One decode step of one sequence over a quantized cache, with the certificate.
+
+    ``q`` ``[H_q, D]`` (GQA when ``H_q > H_kv``; query head ``i`` reads KV head ``i // (H_q / H_kv)``).
+    Computes in float64 for float64 queries, otherwise float32.
+    """
+    if q.dim() != 2:
+        raise ValueError(f"q must be [H_q, D], got shape {tuple(q.shape)}")
+    if k.codes.shape != v.codes.shape:
+        raise ValueError("k and v must cover the same tokens, heads and head_dim")
+    if k.kind != "k" or v.kind != "v":
+        raise ValueError("k must be the 'k' side and v the 'v' side")
+    if q.shape[1] != k.head_dim:
+        raise ValueError(f"q head_dim {q.shape[1]} does not match the cache's {k.head_dim}")
+    if k.num_tokens == 0:
+        raise ValueError("decode_attention needs at least one token")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q = q.to(dtype)
+    num_q_heads, head_dim = q.shape
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    kv_head = _kv_head_of_query(num_q_heads, k.num_kv_heads, q.device)
+
+    k_hat = k.dequantize(dtype)[:, kv_head, :]  # [S, H_q, D]
+    v_hat = v.dequantize(dtype)[:, kv_head, :]
+    logits = sm_scale * torch.einsum("hd,shd->hs", q, k_hat)
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - lse[:, None])
+    out = torch.einsum("hs,shd->hd", probs, v_hat)
+
+    radius = logit_radius(q, k, sm_scale=sm_scale, delta=delta_step, kv_head_of_query=kv_head)
+    argmax = logits.argmax(-1)
+    rows = torch.arange(num_q_heads, device=q.device)
+    p_max = probs[rows, argmax]
+    u_max = radius[rows, argmax]
+    not_max = torch.ones_like(probs, dtype=torch.bool)
+    not_max[rows, argmax] = False
+    zero = torch.zeros((), dtype=dtype, device=q.device)
+    a1_rest = torch.where(not_max, _mul_nonneg(probs, torch.expm1(radius)), zero).sum(-1)
+    b_rest = torch.where(not_max, _mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
+    terms = certificate_from_accumulators(a1_rest, b_rest, p_max, u_max)
+    return DecodeResult(
+        out=out, lse=lse, a1_rest=a1_rest, b_rest=b_rest, p_max=p_max, u_max=u_max,
+        radius=radius, probs=probs, terms=terms,
+    )
+
+
+def total_variation(p: torch.Tensor, p_tilde: torch.Tensor) -> torch.Tensor:
+    """``TV(p, p~) = 1/2 sum |p - p~|`` over the last dimension."""
+    return 0.5 * (p - p_tilde).abs().sum(-1)
+
+
+def worst_case_tv(probs: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """Exact ``max TV(p(d), p~)`` over the box ``|d_t| <= u_t``, by enumerating its corners.
+
+    For any token set A, the softmax mass of A is monotone in every ``d_t``, so the maximum of
+    ``p(A) - p~(A)`` sits at the corner ``d = -u`` on A and ``+u`` off A; TV is the maximum over A.
+    Exponential in S: for small test cases only. ``probs``, ``radius``: ``[..., S]``.
+    """
+    num_tokens = probs.shape[-1]
+    if num_tokens > 16:
+        raise ValueError("corner enumeration is for S <= 16")
+    corners = torch.arange(2**num_tokens, device=probs.device)
+    in_set = ((corners[:, None] >> torch.arange(num_tokens, device=probs.device)) & 1).bool()  # [2^S, S]
+    sign = torch.where(in_set, 1.0, -1.0).to(probs.dtype)
+    # p_t proportional to p~_t exp(-d_t); on the corner of A, -d_t = +u_t on A and -u_t off A.
+    weights = probs[..., None, :] * torch.exp(sign * radius[..., None, :])
+    p = weights / weights.sum(-1, keepdim=True)
+    gain = torch.where(in_set, p - probs[..., None, :], torch.zeros((), dtype=probs.dtype)).sum(-1)
+    return gain.amax(-1)
