@@ -50,7 +50,9 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     if counter.dtype != torch.int64 or key.dtype != torch.int64:
         raise TypeError(f"counter and key must be int64 tensors, got {counter.dtype} and {key.dtype}")
     if counter.shape[-1] != 4 or key.shape[-1] != 2:
-        raise ValueError(f"counter must be [..., 4] and key [..., 2], got {tuple(counter.shape)} and {tuple(key.shape)}")
+        raise ValueError(
+            f"counter must be [..., 4] and key [..., 2], got {tuple(counter.shape)} and {tuple(key.shape)}"
+        )
     if bool(((counter < 0) | (counter > _MASK32)).any()) or bool(((key < 0) | (key > _MASK32)).any()):
         raise ValueError("counter and key words must be uint32 values (0 <= w < 2**32)")
     c0, c1, c2, c3 = counter.unbind(-1)
@@ -83,6 +85,20 @@ def dithers_per_word(dither_bits: int) -> int:
 def channels_per_philox_call(dither_bits: int) -> int:
     """Channels served by one Philox call: 4 words times the fields per word (4, 8 or 16)."""
     return 4 * dithers_per_word(dither_bits)
+
+
+def channel_address(channels: torch.Tensor, dither_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where channel ``c``'s dither lives: (Philox call index, word index, right shift of its field).
+
+    Call ``c // C`` (``C`` channels per call); within it, local index ``i = c % C`` takes word
+    ``i // F`` and field ``i % F`` (``F`` fields per word), fields counted from the most significant bits.
+    """
+    per_call = channels_per_philox_call(dither_bits)
+    per_word = dithers_per_word(dither_bits)
+    channels = channels.to(torch.int64)
+    local = channels % per_call
+    shift = 32 - (local % per_word + 1) * dither_bits
+    return channels // per_call, local // per_word, shift
 
 
 def dither_counter(
@@ -123,22 +139,17 @@ def dither_fields(
     counted from the word's most significant bits.
     """
     per_call = channels_per_philox_call(dither_bits)
-    per_word = dithers_per_word(dither_bits)
     if head_dim % per_call:
         raise ValueError(f"head_dim {head_dim} must be a multiple of {per_call} for {dither_bits}-bit dither")
     device = slots.device
     slots = slots.to(torch.int64)
-    blocks = torch.arange(head_dim // per_call, device=device, dtype=torch.int64)
+    block, word, shift = channel_address(torch.arange(head_dim, device=device), dither_bits)
     heads = torch.arange(num_kv_heads, device=device, dtype=torch.int64)
-    counter = dither_counter(slots[:, None, None], blocks[None, None, :], layer, heads[None, :, None], kind)
+    calls = torch.arange(head_dim // per_call, device=device, dtype=torch.int64)
+    counter = dither_counter(slots[:, None, None], calls[None, None, :], layer, heads[None, :, None], kind)
     words = philox4x32_10(counter, seed_key(seed).to(device))  # [N, H, D / C, 4]
-    local = torch.arange(per_call, device=device)
-    word_index = local // per_word
-    field_index = local % per_word
-    picked = words[..., word_index]  # [N, H, D / C, C]
-    shift = (32 - (field_index + 1) * dither_bits).to(torch.int64)
-    fields = (picked >> shift) & ((1 << dither_bits) - 1)
-    return fields.reshape(slots.shape[0], num_kv_heads, head_dim)
+    picked = words[:, :, block, word]  # [N, H, D]
+    return (picked >> shift) & ((1 << dither_bits) - 1)
 
 
 def dither_values(fields: torch.Tensor, dither_bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -245,7 +256,9 @@ class QuantizedKV:
         return x_hat
 
 
-def _check_outlier_channels(outlier_channels: torch.Tensor | None, num_kv_heads: int, head_dim: int, device) -> torch.Tensor:
+def _check_outlier_channels(
+    outlier_channels: torch.Tensor | None, num_kv_heads: int, head_dim: int, device
+) -> torch.Tensor:
     if outlier_channels is None:
         return torch.empty(num_kv_heads, 0, dtype=torch.int64, device=device)
     channels = torch.as_tensor(outlier_channels, device=device)
@@ -298,7 +311,9 @@ def quantize(
         raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
     slots = torch.as_tensor(slots, device=x.device)
     if slots.shape != (num_tokens,) or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots must be an integer tensor of shape [{num_tokens}], got {slots.dtype} {tuple(slots.shape)}")
+        raise ValueError(
+            f"slots must be an integer tensor of shape [{num_tokens}], got {slots.dtype} {tuple(slots.shape)}"
+        )
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x contains NaN or inf: a quantized cache cannot represent it")
     channels = _check_outlier_channels(outlier_channels, num_kv_heads, head_dim, x.device)
@@ -316,8 +331,13 @@ def quantize(
 
     xi = dither_values(
         dither_fields(
-            seed=seed, layer=layer, slots=slots, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            kind=kind, dither_bits=dither_bits,
+            seed=seed,
+            layer=layer,
+            slots=slots,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            kind=kind,
+            dither_bits=dither_bits,
         ),
         dither_bits,
     )
@@ -329,13 +349,11 @@ def quantize(
     codes = torch.where(is_outlier, torch.zeros((), device=x.device), codes)
     codes = codes.to(torch.int8)
 
-    outlier_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    # Outliers keep the model dtype: zero error, 2 bytes each for fp16/bf16 activations.
     if channels.numel():
-        outlier_values = x.gather(-1, channels.expand(num_tokens, -1, -1)).to(outlier_dtype)
-        if outlier_dtype != x.dtype and not bool((outlier_values.to(x.dtype) == x.gather(-1, channels.expand(num_tokens, -1, -1))).all()):
-            raise ValueError("outlier channels must be exactly representable in fp16 when x is float32; pass fp16 or bf16 activations")
+        outlier_values = x.gather(-1, channels.expand(num_tokens, -1, -1))
     else:
-        outlier_values = torch.empty(num_tokens, num_kv_heads, 0, dtype=outlier_dtype, device=x.device)
+        outlier_values = torch.empty(num_tokens, num_kv_heads, 0, dtype=x.dtype, device=x.device)
     return QuantizedKV(
         codes=codes,
         scales=scales,
@@ -351,6 +369,7 @@ def quantize(
 
 
 # --- read path: radius, accumulators, certificate -----------------------------------------------------
+
 
 def fp_slack(dither_bits: int) -> float:
     """``beta``: the bias of the dithered error per unit scale, plus float32 slack (docs/THEORY.md).
@@ -463,22 +482,55 @@ def certificate_from_accumulators(
 
 
 @dataclass
-class DecodeResult:
-    """Output of one decode step for one sequence; accumulators follow THEORY.md section 3."""
+class CertificateAccumulators:
+    """Softmax-weighted sums over tokens, with the argmax token ``m`` held apart (THEORY.md section 3)."""
 
-    out: torch.Tensor  # [H_q, D]
-    lse: torch.Tensor  # [H_q], natural log of sum_t exp(z~_t)
-    a1_rest: torch.Tensor  # [H_q]
-    b_rest: torch.Tensor  # [H_q]
-    p_max: torch.Tensor  # [H_q]
-    u_max: torch.Tensor  # [H_q]
-    radius: torch.Tensor  # [H_q, S], u_t
-    probs: torch.Tensor  # [H_q, S], p~_t
-    terms: CertificateTerms
+    a1_rest: torch.Tensor  # sum_{t != m} p~_t expm1(u_t)
+    b_rest: torch.Tensor  # sum_{t != m} p~_t g(u_t)
+    p_max: torch.Tensor  # p~_m
+    u_max: torch.Tensor  # u_m
+
+    @property
+    def terms(self) -> CertificateTerms:
+        return certificate_from_accumulators(self.a1_rest, self.b_rest, self.p_max, self.u_max)
 
     @property
     def certificate(self) -> torch.Tensor:
         return self.terms.certificate
+
+
+def accumulate_certificate(probs: torch.Tensor, radius: torch.Tensor) -> CertificateAccumulators:
+    """The accumulators from the kernel's softmax ``probs`` and radii ``radius``, both ``[..., S]``.
+
+    ``m`` is the first argmax of ``probs`` (the argmax of the logits).
+    """
+    argmax = probs.argmax(-1, keepdim=True)
+    p_max = probs.gather(-1, argmax).squeeze(-1)
+    u_max = radius.gather(-1, argmax).squeeze(-1)
+    not_max = torch.ones_like(probs, dtype=torch.bool).scatter(-1, argmax, False)
+    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+    a1_rest = torch.where(not_max, _mul_nonneg(probs, torch.expm1(radius)), zero).sum(-1)
+    b_rest = torch.where(not_max, _mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
+    return CertificateAccumulators(a1_rest=a1_rest, b_rest=b_rest, p_max=p_max, u_max=u_max)
+
+
+@dataclass
+class DecodeResult:
+    """Output of one decode step for one sequence."""
+
+    out: torch.Tensor  # [H_q, D]
+    lse: torch.Tensor  # [H_q], natural log of sum_t exp(z~_t)
+    radius: torch.Tensor  # [H_q, S], u_t
+    probs: torch.Tensor  # [H_q, S], p~_t
+    accumulators: CertificateAccumulators
+
+    @property
+    def terms(self) -> CertificateTerms:
+        return self.accumulators.terms
+
+    @property
+    def certificate(self) -> torch.Tensor:
+        return self.accumulators.certificate
 
 
 def _kv_head_of_query(num_q_heads: int, num_kv_heads: int, device) -> torch.Tensor:
@@ -519,20 +571,8 @@ def decode_attention(
     out = torch.einsum("hs,shd->hd", probs, v_hat)
 
     radius = logit_radius(q, k, sm_scale=sm_scale, delta=delta_step, kv_head_of_query=kv_head)
-    argmax = logits.argmax(-1)
-    rows = torch.arange(num_q_heads, device=q.device)
-    p_max = probs[rows, argmax]
-    u_max = radius[rows, argmax]
-    not_max = torch.ones_like(probs, dtype=torch.bool)
-    not_max[rows, argmax] = False
-    zero = torch.zeros((), dtype=dtype, device=q.device)
-    a1_rest = torch.where(not_max, _mul_nonneg(probs, torch.expm1(radius)), zero).sum(-1)
-    b_rest = torch.where(not_max, _mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
-    terms = certificate_from_accumulators(a1_rest, b_rest, p_max, u_max)
-    return DecodeResult(
-        out=out, lse=lse, a1_rest=a1_rest, b_rest=b_rest, p_max=p_max, u_max=u_max,
-        radius=radius, probs=probs, terms=terms,
-    )
+    acc = accumulate_certificate(probs, radius)
+    return DecodeResult(out=out, lse=lse, radius=radius, probs=probs, accumulators=acc)
 
 
 def total_variation(p: torch.Tensor, p_tilde: torch.Tensor) -> torch.Tensor:
