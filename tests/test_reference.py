@@ -1,0 +1,363 @@
+"""Contract tests for the reference mathematics (docs/THEORY.md): every claim marked (test) there."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from witcert.kernels import reference as ref
+from witcert.kernels.soundness import run_soundness
+
+# --- Philox ------------------------------------------------------------------------------------------
+
+# Random123's published known-answer vectors for philox4x32-10 (kat_vectors).
+KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+
+@pytest.mark.parametrize(("counter", "key", "expected"), KNOWN_ANSWERS)
+def test_philox_known_answers(counter, key, expected):
+    out = ref.philox4x32_10(torch.tensor(counter, dtype=torch.int64), torch.tensor(key, dtype=torch.int64))
+    assert tuple(int(w) for w in out) == expected
+
+
+def _numpy_philox(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """An independent implementation: full 64-bit unsigned products in numpy, no 16-bit splitting."""
+    c = [counter[:, i].astype(np.uint64) for i in range(4)]
+    k0, k1 = key[:, 0].astype(np.uint64), key[:, 1].astype(np.uint64)
+    mask = np.uint64(0xFFFFFFFF)
+    for r in range(10):
+        if r:
+            k0 = (k0 + np.uint64(0x9E3779B9)) & mask
+            k1 = (k1 + np.uint64(0xBB67AE85)) & mask
+        p0 = np.uint64(0xD2511F53) * c[0]
+        p1 = np.uint64(0xCD9E8D57) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & mask]
+    return np.stack(c, axis=-1).astype(np.int64)
+
+
+def test_philox_matches_independent_implementation_on_a_million_counters():
+    rng = np.random.default_rng(1234)
+    counter = rng.integers(0, 2**32, size=(1_000_000, 4), dtype=np.int64)
+    key = rng.integers(0, 2**32, size=(1_000_000, 2), dtype=np.int64)
+    ours = ref.philox4x32_10(torch.from_numpy(counter), torch.from_numpy(key)).numpy()
+    np.testing.assert_array_equal(ours, _numpy_philox(counter, key))
+
+
+def test_philox_rejects_values_outside_uint32():
+    with pytest.raises(ValueError, match="uint32"):
+        ref.philox4x32_10(torch.tensor([0, 0, 0, 2**32]), torch.tensor([0, 0]))
+    with pytest.raises(TypeError, match="int64"):
+        ref.philox4x32_10(torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
+
+
+# --- the dither stream -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
+def test_distinct_tuples_never_share_a_dither_address(dither_bits):
+    """(layer, kv_head, slot, channel, kind) -> (counter, word, field) is injective."""
+    slots = torch.tensor([0, 1, 7, 2**31, 2**32 - 1])
+    channels = torch.arange(128)
+    kv_heads = torch.tensor([0, 1, 5, 2**31 - 1])
+    block, word, shift = ref.channel_address(channels, dither_bits)
+    addresses = set()
+    for kind in ("k", "v"):
+        for layer in (0, 1, 27):
+            counter = ref.dither_counter(
+                slots[:, None, None], block[None, None, :], layer, kv_heads[None, :, None], kind
+            )
+            rows = torch.cat(
+                (counter, word.expand(counter.shape[:-1])[..., None], shift.expand(counter.shape[:-1])[..., None]), -1
+            )
+            addresses.update(map(tuple, rows.reshape(-1, 6).tolist()))
+    assert len(addresses) == 2 * 3 * len(slots) * len(kv_heads) * len(channels)
+
+
+@pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
+def test_k_and_v_streams_differ(dither_bits):
+    common = dict(seed=9, layer=3, slots=torch.arange(256), num_kv_heads=2, head_dim=128, dither_bits=dither_bits)
+    k = ref.dither_fields(kind="k", **common)
+    v = ref.dither_fields(kind="v", **common)
+    # Independent streams agree on a field with probability 2**-b.
+    assert (k == v).float().mean() < 2.0**-dither_bits * 4 + 1e-3
+
+
+@pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
+def test_dither_values_are_symmetric_and_uniform(dither_bits):
+    fields = ref.dither_fields(
+        seed=1, layer=0, slots=torch.arange(4096), num_kv_heads=4, head_dim=128, kind="k", dither_bits=dither_bits
+    )
+    xi = ref.dither_values(fields, dither_bits, torch.float64)
+    assert float(xi.min()) > -0.5 and float(xi.max()) < 0.5
+    assert abs(float(xi.mean())) < 2e-3  # 2M samples: standard error 2e-4
+    assert abs(float(xi.var()) - 1.0 / 12.0) < 1e-3
+    counts = torch.histc(xi, bins=16, min=-0.5, max=0.5)
+    assert float((counts / counts.mean() - 1).abs().max()) < 0.02
+    # The extreme grid values are exactly those of the formula.
+    assert float(ref.dither_values(torch.tensor([0]), dither_bits, torch.float64)) == 0.5 / 2**dither_bits - 0.5
+
+
+def test_dither_depends_on_every_key_component():
+    base = dict(seed=5, layer=2, slots=torch.arange(64), num_kv_heads=2, head_dim=64, kind="k", dither_bits=16)
+    reference_fields = ref.dither_fields(**base)
+    for change in (dict(seed=6), dict(layer=3), dict(slots=torch.arange(1, 65)), dict(kind="v")):
+        assert not torch.equal(ref.dither_fields(**{**base, **change}), reference_fields), change
+
+
+# --- quantizer ---------------------------------------------------------------------------------------
+
+
+def _adversarial_keys(generator: torch.Generator) -> torch.Tensor:
+    x = torch.randn(512, 4, 128, generator=generator)
+    x[0] = 0.0  # all-zero groups
+    x[1] = 65504.0 * torch.sign(torch.randn(4, 128, generator=generator))  # fp16 extremes
+    x[2] = 1e-7 * torch.randn(4, 128, generator=generator)  # subnormal scales
+    x[3, :, ::32] = 1000.0  # one element sets the group amax
+    x[4] = torch.linspace(-1, 1, 128)  # regular grid, many ties against the dither grid
+    x[5:64] *= torch.logspace(-4, 4, 59)[:, None, None]
+    return x.to(torch.float16)
+
+
+@pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_quantizer_never_clips_and_error_is_within_half_a_step(dither_bits, dtype):
+    x = _adversarial_keys(torch.Generator().manual_seed(dither_bits)).to(dtype)
+    slots = torch.randperm(4096)[:512]
+    qkv = ref.quantize(x, seed=11, layer=4, slots=slots, kind="k", dither_bits=dither_bits)
+    scale = qkv.channel_scales(torch.float64)
+    codes = qkv.codes.to(torch.int64)
+    assert int(codes.abs().max()) <= ref.QMAX
+    # Nothing clipped: |x / s| <= 126.5 for every element, with the stored scale.
+    assert bool(((x.double().abs() <= scale * ref.SCALE_DIVISOR) | (scale == 0)).all())
+    error = (qkv.dequantize(torch.float64) - x.double()).abs()
+    slack = 2.0**-16
+    assert bool((error <= scale * (0.5 + slack)).all())
+    assert bool((error[scale == 0] == 0).all())
+
+
+def test_scales_are_the_smallest_stored_fp16_values_that_cover_the_amax():
+    x = _adversarial_keys(torch.Generator().manual_seed(0))
+    qkv = ref.quantize(x, seed=0, layer=0, slots=torch.arange(512), kind="k")
+    assert qkv.scales.dtype == torch.float16
+    amax = x.float().abs().view(512, 4, 4, 32).amax(-1).double()
+    stored = qkv.scales.double()
+    assert bool((stored * 126.5 >= amax).all())
+    previous = torch.nextafter(qkv.scales, torch.zeros_like(qkv.scales)).double()
+    assert bool(((previous * 126.5 < amax) | (stored == 0)).all())
+
+
+def test_codes_are_computed_with_the_stored_fp16_scale():
+    x = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    qkv = ref.quantize(x, seed=1, layer=0, slots=torch.arange(256), kind="v", dither_bits=16)
+    expected = torch.round(x.float() / qkv.channel_scales(torch.float32) + qkv.dither(torch.float32))
+    assert torch.equal(qkv.codes.to(torch.float32), expected)
+
+
+def test_outlier_channels_are_exact_and_excluded_from_the_group_amax():
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(128, 2, 128, generator=generator)
+    outliers = ref.rope_pair_channels([3, 17], head_dim=128)  # channels 3, 17, 67, 81
+    x[:, :, outliers] *= 1000.0
+    x = x.to(torch.float16)
+    with_outliers = ref.quantize(x, seed=2, layer=1, slots=torch.arange(128), kind="k", outlier_channels=outliers)
+    without = ref.quantize(x, seed=2, layer=1, slots=torch.arange(128), kind="k")
+    x_hat = with_outliers.dequantize(torch.float32)
+    assert torch.equal(x_hat[:, :, outliers], x[:, :, outliers].float())
+    masked = x.float().clone()
+    masked[:, :, outliers] = 0
+    expected_scales = ref.fp16_scale_rounded_up(masked.abs().view(128, 2, 4, 32).amax(-1))
+    assert torch.equal(with_outliers.scales, expected_scales)
+    # Groups 0 and 2 hold the outliers: the bypass is what buys their precision.
+    assert bool((with_outliers.scales <= without.scales).all())
+    assert (
+        float(with_outliers.scales[:, :, [0, 2]].float().mean())
+        < float(without.scales[:, :, [0, 2]].float().mean()) / 50
+    )
+    assert bool((with_outliers.channel_scales()[:, :, outliers] == 0).all())
+
+
+@pytest.mark.parametrize(("head_dim", "group_size", "pairs"), [(128, 32, 0), (128, 32, 2), (64, 16, 1), (128, 64, 4)])
+def test_byte_accounting_is_exact(head_dim, group_size, pairs):
+    x = torch.randn(8, 2, head_dim).to(torch.float16)
+    outliers = ref.rope_pair_channels(list(range(pairs)), head_dim) if pairs else None
+    qkv = ref.quantize(
+        x, seed=0, layer=0, slots=torch.arange(8), kind="k", group_size=group_size, outlier_channels=outliers
+    )
+    assert qkv.bytes_per_token_head == head_dim + 2 * head_dim // group_size + 2 * 2 * pairs
+    stored = qkv.codes[0, 0].nbytes + qkv.scales[0, 0].nbytes + qkv.outlier_values[0, 0].nbytes
+    assert stored == qkv.bytes_per_token_head
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(x=torch.randn(4, 64)), r"\[N, H_kv, D\]"),
+        (dict(x=torch.ones(4, 1, 64, dtype=torch.int32)), "floating-point"),
+        (dict(x=torch.full((4, 1, 64), math.nan)), "NaN or inf"),
+        (dict(group_size=24), "must divide"),
+        (dict(slots=torch.arange(3)), "slots"),
+        (dict(kind="q"), "kind"),
+        (dict(dither_bits=12), "dither_bits"),
+        (dict(outlier_channels=torch.tensor([1])), "RoPE pairs"),
+        (dict(outlier_channels=torch.tensor([1, 64])), r"\[0, 64\)"),
+        (dict(x=torch.full((4, 1, 64), 1e7)), "fp16 group scale"),
+        (dict(seed=-1), "seed"),
+    ],
+)
+def test_quantize_rejects_bad_input_with_a_clear_message(kwargs, message):
+    args = dict(x=torch.randn(4, 1, 64), seed=0, layer=0, slots=torch.arange(4), kind="k") | kwargs
+    x = args.pop("x")
+    with pytest.raises((ValueError, TypeError), match=message):
+        ref.quantize(x, **args)
+
+
+# --- the bound family ---------------------------------------------------------------------------------
+
+
+def _random_cases(count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = 8
+    logits = torch.randn(count, tokens, generator=generator, dtype=torch.float64)
+    logits *= torch.logspace(-1, 1.3, count, dtype=torch.float64)[torch.randperm(count, generator=generator)][:, None]
+    sink = torch.rand(count, generator=generator) < 0.3
+    logits[sink, 0] += 8.0  # a sink token holding most of the attention
+    probs = torch.softmax(logits, -1)
+    magnitude = torch.logspace(-3, 0.5, count, dtype=torch.float64)[torch.randperm(count, generator=generator)]
+    radius = magnitude[:, None] * torch.rand(count, tokens, generator=generator, dtype=torch.float64)
+    uniform = torch.rand(count, generator=generator) < 0.3
+    radius[uniform] = magnitude[uniform, None].expand(-1, tokens)
+    return probs, radius
+
+
+def test_every_bound_is_at_least_the_exact_worst_case():
+    probs, radius = _random_cases(6000, torch.Generator().manual_seed(7))
+    worst = ref.worst_case_tv(probs, radius)
+    terms = ref.accumulate_certificate(probs, radius).terms
+    for name in ("t1", "t4", "p", "pa"):
+        bound = getattr(terms, name)
+        # worst_case_tv subtracts probabilities near 1: allow its float64 cancellation, nothing more.
+        assert bool((bound >= worst - 1e-14).all()), name
+    resolvable = worst > 1e-9  # below, float64 cancellation in worst_case_tv dominates the ratio
+    ratio = terms.certificate[resolvable] / worst[resolvable]
+    assert float(ratio.min()) >= 1.0
+    assert float(ratio.median()) < 2.0  # tightness, THEORY.md reports a median of 1.13x
+
+
+def test_each_refinement_beats_t1_somewhere():
+    probs, radius = _random_cases(6000, torch.Generator().manual_seed(8))
+    terms = ref.accumulate_certificate(probs, radius).terms
+    for name in ("t4", "p", "pa"):
+        assert bool((getattr(terms, name) < terms.t1).any()), name
+
+
+def test_overflowing_radius_gives_inf_never_nan():
+    probs = torch.tensor([[0.9, 0.1, 0.0]], dtype=torch.float32)
+    radius = torch.tensor([[200.0, 1.0, 500.0]], dtype=torch.float32)
+    terms = ref.accumulate_certificate(probs, radius).terms
+    assert math.isinf(float(terms.certificate[0]))
+    for name in ("t1", "t4", "p", "pa"):
+        assert not bool(torch.isnan(getattr(terms, name)).any()), name
+
+
+def test_zero_radius_gives_a_zero_certificate():
+    probs = torch.softmax(torch.randn(3, 10, dtype=torch.float64), -1)
+    terms = ref.accumulate_certificate(probs, torch.zeros(3, 10, dtype=torch.float64)).terms
+    assert torch.equal(terms.certificate, torch.zeros(3, dtype=torch.float64))
+
+
+def test_expm1_minus_x_is_accurate_across_the_series_switch():
+    x = torch.cat((torch.logspace(-8, 1, 500, dtype=torch.float64), -torch.logspace(-8, 0, 200, dtype=torch.float64)))
+    exact = torch.tensor([math.fsum([math.expm1(v), -v]) for v in x.tolist()], dtype=torch.float64)
+    high = torch.tensor([sum(v**n / math.factorial(n) for n in range(2, 40)) for v in x.tolist()], dtype=torch.float64)
+    assert torch.allclose(ref.expm1_minus_x(x), high, rtol=1e-10, atol=0)
+    assert torch.allclose(exact[x.abs() > 0.1], high[x.abs() > 0.1], rtol=1e-10)
+
+
+# --- decode and the radius ----------------------------------------------------------------------------
+
+
+def test_decode_matches_a_plain_attention_on_the_dequantized_cache():
+    generator = torch.Generator().manual_seed(10)
+    keys = torch.randn(300, 2, 64, generator=generator).to(torch.float16)
+    values = torch.randn(300, 2, 64, generator=generator).to(torch.float16)
+    slots = torch.randperm(1000, generator=generator)[:300]
+    k = ref.quantize(keys, seed=3, layer=2, slots=slots, kind="k")
+    v = ref.quantize(values, seed=3, layer=2, slots=slots, kind="v")
+    q = torch.randn(14, 64, generator=generator, dtype=torch.float64)
+    result = ref.decode_attention(q, k, v, delta_step=1e-8)
+    k_hat = k.dequantize(torch.float64).repeat_interleave(7, dim=1)
+    v_hat = v.dequantize(torch.float64).repeat_interleave(7, dim=1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q[:, None, :], k_hat.transpose(0, 1), v_hat.transpose(0, 1), scale=1 / 8
+    )[:, 0, :]
+    assert torch.allclose(result.out, expected, rtol=1e-10, atol=1e-12)
+    assert result.certificate.shape == (14,)
+    assert bool((result.certificate > 0).all())
+
+
+def test_radius_formula_and_outliers_carry_no_radius():
+    keys = torch.randn(50, 1, 64).to(torch.float16)
+    outliers = ref.rope_pair_channels([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], 64)  # one full group
+    k = ref.quantize(keys, seed=0, layer=0, slots=torch.arange(50), kind="k", outlier_channels=outliers)
+    q = torch.randn(1, 64, dtype=torch.float64)
+    delta = 1e-6
+    radius = ref.logit_radius(q, k, sm_scale=0.125, delta=delta, kv_head_of_query=torch.tensor([0]))
+    c = math.sqrt(2 * math.log(2 * 50 / delta))
+    q_masked = q.clone()
+    q_masked[:, outliers] = 0
+    groups = q_masked.view(1, 2, 32)
+    s = k.scales.double()[:, 0, :]  # [S, 2]
+    sigma = 0.125 * torch.sqrt((s.square() * groups.square().sum(-1)).sum(-1) / 12)
+    bias = 0.125 * (s * groups.abs().sum(-1)).sum(-1) * (2.0**-25 + 2.0**-16)
+    assert torch.allclose(radius[0], c * sigma + bias, rtol=1e-12)
+
+
+def test_delta_step_allocates_the_request_budget():
+    assert ref.delta_step(28, 28) == pytest.approx(1e-2 / (28 * 28 * 256))
+    assert ref.delta_step(2, 4, delta_req=0.1, horizon=10) == pytest.approx(0.1 / 80)
+    with pytest.raises(ValueError):
+        ref.delta_step(0, 4)
+    with pytest.raises(ValueError):
+        ref.delta_step(2, 4, delta_req=1.5)
+
+
+def test_decode_rejects_bad_input():
+    keys = torch.randn(10, 2, 64).to(torch.float16)
+    k = ref.quantize(keys, seed=0, layer=0, slots=torch.arange(10), kind="k")
+    v = ref.quantize(keys, seed=0, layer=0, slots=torch.arange(10), kind="v")
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        ref.decode_attention(torch.randn(3, 64), k, v, delta_step=1e-6)
+    with pytest.raises(ValueError, match="head_dim"):
+        ref.decode_attention(torch.randn(4, 32), k, v, delta_step=1e-6)
+    with pytest.raises(ValueError, match="'k' side"):
+        ref.decode_attention(torch.randn(4, 64), v, k, delta_step=1e-6)
+    with pytest.raises(ValueError, match="delta_step"):
+        ref.decode_attention(torch.randn(4, 64), k, v, delta_step=0.0)
+
+
+# --- soundness end to end -----------------------------------------------------------------------------
+
+
+def test_soundness_monte_carlo_fast():
+    report = run_soundness(draws=1500, tokens=(256, 1024), seed=1)
+    assert report.violations <= report.allowed_violations
+    assert report.box_misses <= report.allowed_violations
+    assert report.median_ratio >= 1.0
+
+
+@pytest.mark.slow
+def test_soundness_monte_carlo_at_realistic_shapes():
+    """>= 10^5 (head, step) draws at D = 128, S up to 4096, GQA 7:1, Gaussian and outlier-channel keys."""
+    report = run_soundness(draws=100_000, tokens=(512, 1024, 2048, 4096), kv_heads=4, seed=2)
+    assert report.draws >= 100_000
+    assert report.violations <= report.allowed_violations
