@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's test command (README, .ci/run): sets up a fresh machine, then runs the fast suite.
+# Slow tests (long Monte Carlo, load tests): `python -m pytest -m slow`. GPU tests: `python -m pytest -m gpu`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# torch 2.13.0 resolves to the CPU build on these machines; naming it first keeps pip from pulling CUDA wheels.
+python -m pip install --quiet torch==2.13.0 -e '.[test]'
+
+export PYTHONUNBUFFERED=1
+python -m pytest "$@"
