@@ -1,0 +1,39 @@
+"""The project's own promises: the README's commands are the ones CI and users run, the CLI explains itself."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    return re.findall(r"^    (\S.*)$", (ROOT / "README.md").read_text().split("## What exists")[0], re.M)
+
+
+def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
+    commands = _readme_commands()
+    assert len(commands) == 2, commands
+    demo, tests = commands
+    assert demo.endswith("witcert demo")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci.splitlines()
+
+
+def test_cli_help_lists_its_subcommands():
+    result = subprocess.run([sys.executable, "-m", "witcert.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    from witcert.cli import SUBCOMMAND_MODULES, build_parser
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command").choices
+    assert subcommands, "no subcommand registered"
+    for name, sub in subcommands.items():
+        assert name in result.stdout
+        help_result = subprocess.run(
+            [sys.executable, "-m", "witcert.cli", name, "--help"], capture_output=True, text=True
+        )
+        assert help_result.returncode == 0, (name, help_result.stderr)
+        assert sub.description or sub.format_help()
+    assert len(SUBCOMMAND_MODULES) >= 1
