@@ -203,6 +203,8 @@ class QuantizedKV:
     kind: Kind
     group_size: int
     dither_bits: int
+    # False: rounded to nearest (xi = 0). The TV certificate needs dither on K only; V may skip it.
+    dithered: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -226,6 +228,8 @@ class QuantizedKV:
         )
 
     def dither(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not self.dithered:
+            return torch.zeros(self.codes.shape, dtype=dtype, device=self.codes.device)
         fields = dither_fields(
             seed=self.seed,
             layer=self.layer,
@@ -294,11 +298,13 @@ def quantize(
     group_size: int = 32,
     outlier_channels: torch.Tensor | None = None,
     dither_bits: int = 24,
+    dither: bool = True,
 ) -> QuantizedKV:
     """Subtractive-dither int8 quantization of ``x`` ``[N, H_kv, D]`` (THEORY.md section 1).
 
     ``code = round(x / s + xi)`` with the *stored* fp16 scale ``s`` (rounded up so nothing clips);
-    outlier channels are kept exactly and left out of their group's amax.
+    outlier channels are kept exactly and left out of their group's amax. ``dither=False`` rounds to
+    nearest (``xi = 0``, ties to even): meant for V, whose dither only serves the output-error bound.
     """
     if x.dim() != 3:
         raise ValueError(f"x must be [N, H_kv, D], got shape {tuple(x.shape)}")
@@ -327,18 +333,21 @@ def quantize(
         raise ValueError("|x| exceeds what an fp16 group scale can cover (max about 8.28e6)")
     scales = fp16_scale_rounded_up(amax)
 
-    xi = dither_values(
-        dither_fields(
-            seed=seed,
-            layer=layer,
-            slots=slots,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            kind=kind,
-            dither_bits=dither_bits,
-        ),
-        dither_bits,
-    )
+    if dither:
+        xi = dither_values(
+            dither_fields(
+                seed=seed,
+                layer=layer,
+                slots=slots,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                kind=kind,
+                dither_bits=dither_bits,
+            ),
+            dither_bits,
+        )
+    else:
+        xi = torch.zeros((), device=x.device)
     channel_scale = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
     safe_scale = torch.where(channel_scale > 0, channel_scale, torch.ones((), device=x.device))
     # The stored fp16 scale is the one divided by: any other value breaks |e| <= s/2.
@@ -363,6 +372,7 @@ def quantize(
         kind=kind,
         group_size=group_size,
         dither_bits=dither_bits,
+        dithered=dither,
     )
 
 
@@ -477,7 +487,8 @@ def certificate_from_accumulators(
     rest_mass = (1.0 - p_max).clamp_min(0.0)
     a1 = a1_rest + _mul_nonneg(p_max, expm1_m)
     b = b_rest + _mul_nonneg(p_max, g_m)
-    u_rest = (a1_rest - b_rest).clamp_min(0.0)  # sum_{t != m} p~_t u_t
+    # sum_{t != m} p~_t u_t; inf - inf would be NaN: an overflowed A1 leaves it unknown, and +inf bounds it.
+    u_rest = torch.where(torch.isinf(a1_rest), a1_rest, (a1_rest - b_rest).clamp_min(0.0))
     t4 = _mul_nonneg(e_m, a1_rest) + _mul_nonneg(expm1_m, rest_mass)
     pa_inner = _mul_nonneg(e_m, b_rest) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, rest_mass)
     return CertificateTerms(t1=a1, t4=t4, p=torch.sqrt(b / 2.0), pa=torch.sqrt(pa_inner / 2.0))
