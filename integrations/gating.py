@@ -1,0 +1,165 @@
+"""Gating policy and the certified decode path that repairs heads from exact K/V (THEORY.md section 5).
+
+A head whose certificate exceeds ``tau`` is repaired: the bound decomposes over tokens
+(``A1 = sum_t p~_t expm1(u_t)``), exact tokens have ``u_t = 0``, so paging in a block of exact K/V
+removes that block's share. Blocks are paged in by decreasing share and the head is recomputed after
+each one, stopping as soon as its certificate is ``<= tau``. Repaired (slot, KV head) pairs are handed
+back to the caller to keep: a request pays for each slot at most once.
+
+This path is plain torch: it runs on CPU as the decode itself, and on GPU only for the rare
+sequences that need repair (or that already hold repaired slots, which the fused kernel cannot read).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from witcert.kernels import reference
+
+
+class GateMode(StrEnum):
+    """What the cache does with the certificates it computes."""
+
+    OFF = "off"  # int8 cache, certificates neither reported nor acted on
+    OBSERVE = "observe"  # certificates reported to the aggregator, never acted on
+    GATE = "gate"  # reported, and every head above tau is repaired from exact K/V
+
+
+class CachePolicy(BaseModel):
+    """Every knob of the certified int8 KV cache, validated once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: GateMode = GateMode.GATE
+    tau: float = Field(0.05, gt=0.0, description="repair any head whose certificate exceeds this TV bound")
+    outlier_pairs: int = Field(0, ge=0, description="m: RoPE pairs per head stored exactly (lowest frequencies)")
+    group_size: int = Field(32, gt=0, description="channels sharing one fp16 scale")
+    dither_bits: Literal[8, 16, 24] = 8
+    v_dither: bool = Field(True, description="dither V too (needed only for the output-error certificate)")
+    seed: int = Field(0, ge=0, lt=2**64, description="Philox key of the dither streams")
+    delta_req: float = Field(1e-2, gt=0.0, lt=1.0, description="failure probability of a whole request")
+    horizon: int = Field(256, gt=0, description="T: decode steps the union bound covers")
+    repair_block: int = Field(16, gt=0, description="tokens per block paged in from the exact backup")
+    stride: int = Field(1, gt=0, description="the aggregator keeps raw samples every stride-th step")
+
+    def delta_step(self, num_layers: int, num_q_heads: int) -> float:
+        return reference.delta_step(num_layers, num_q_heads, delta_req=self.delta_req, horizon=self.horizon)
+
+
+ExactFetch = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+"""``fetch(positions, kv_head) -> (k, v)``: exact rows ``[n, D]`` of one sequence, from the host backup."""
+
+
+@dataclass
+class SequenceDecode:
+    """One sequence's decode step at one layer through the certified torch path."""
+
+    out: torch.Tensor  # [H_q, D] float32
+    certificate: torch.Tensor  # [H_q] float32, after any repair
+    fallback: torch.Tensor  # [H_q] bool: this head triggered a repair
+    repaired_bytes: torch.Tensor  # [H_q] int64: bytes paged in on this head's behalf
+    repaired_positions: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]  # (kv_head, positions, k, v)
+
+
+def block_shares(
+    probs: torch.Tensor, radius: torch.Tensor, block_of_position: torch.Tensor, num_blocks: int
+) -> torch.Tensor:
+    """Each block's share ``sum_{t in block} p~_t expm1(u_t)`` of T1 for one head: ``[num_blocks]``.
+
+    An overflowed term (``0 * inf``) counts as +inf: such a block must be paged in first.
+    """
+    terms = torch.nan_to_num(probs * torch.expm1(radius), nan=math.inf)
+    return torch.zeros(num_blocks, dtype=terms.dtype, device=terms.device).index_add_(0, block_of_position, terms)
+
+
+def certified_decode(
+    q: torch.Tensor,
+    keys: reference.QuantizedKV,
+    values: torch.Tensor,
+    exact_mask: torch.Tensor,
+    exact_keys: torch.Tensor,
+    exact_values: torch.Tensor,
+    *,
+    sm_scale: float,
+    delta: float,
+    tau: float | None,
+    fetch: ExactFetch | None,
+    block_size: int,
+) -> SequenceDecode:
+    """Decode one sequence at one layer over ``S`` tokens, with certificates, repairing heads above ``tau``.
+
+    ``q`` ``[H_q, D]``; ``keys`` the quantized K of the ``S`` slots; ``values`` the dequantized V
+    ``[S, H_kv, D]``; ``exact_mask`` ``[S, H_kv]`` marks tokens already repaired, whose exact rows are in
+    ``exact_keys`` / ``exact_values`` ``[S, H_kv, D]`` (ignored elsewhere) and whose radius is zero.
+    ``tau=None`` observes only. The inputs ``exact_*`` are updated in place with what gets paged in.
+    """
+    q = q.to(torch.float32)
+    num_q_heads, head_dim = q.shape
+    num_tokens, num_kv_heads, _ = values.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if tau is not None and fetch is None:
+        raise ValueError("gating needs a way to fetch exact K/V (fetch=None)")
+    kv_of_q = torch.arange(num_q_heads, device=q.device) // (num_q_heads // num_kv_heads)
+
+    k_hat = keys.dequantize(torch.float32)
+    k_eff = torch.where(exact_mask[..., None], exact_keys.to(torch.float32), k_hat)
+    logits = sm_scale * torch.einsum("hd,shd->hs", q, k_eff[:, kv_of_q, :])
+    radius = reference.logit_radius(q, keys, sm_scale=sm_scale, delta=delta, kv_head_of_query=kv_of_q)
+    radius = radius.masked_fill(exact_mask.T[kv_of_q], 0.0)
+
+    probs = torch.softmax(logits, dim=-1)
+    certificate = reference.accumulate_certificate(probs, radius).certificate
+    fallback = torch.zeros(num_q_heads, dtype=torch.bool, device=q.device)
+    repaired_bytes = torch.zeros(num_q_heads, dtype=torch.int64, device=q.device)
+    repaired: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    if tau is not None:
+        block_of_position = torch.arange(num_tokens, device=q.device) // block_size
+        num_blocks = (num_tokens + block_size - 1) // block_size
+        # Repairing one KV head changes the softmax of every query head reading it, and a certificate
+        # is not monotone in that change: re-check all heads until none exceeds tau. It terminates
+        # because a fully exact head has radius zero everywhere, hence certificate zero.
+        while True:
+            over = ~(certificate <= tau)  # NaN counts as over: repair rather than trust it
+            if not bool(over.any()):
+                break
+            head = int(over.nonzero()[0])
+            kv_head = int(kv_of_q[head])
+            shares = block_shares(probs[head], radius[head], block_of_position, num_blocks)
+            pending = ~exact_mask[:, kv_head]
+            has_pending = torch.zeros(num_blocks, dtype=torch.bool, device=q.device)
+            has_pending.index_fill_(0, block_of_position[pending], True)
+            shares = torch.where(has_pending, shares, torch.full_like(shares, -1.0))
+            block = int(shares.argmax())
+            positions = ((block_of_position == block) & pending).nonzero().squeeze(-1)
+            k_exact, v_exact = fetch(positions, kv_head)
+            exact_mask[positions, kv_head] = True
+            exact_keys[positions, kv_head] = k_exact.to(exact_keys.dtype)
+            exact_values[positions, kv_head] = v_exact.to(exact_values.dtype)
+            repaired.append((kv_head, positions, k_exact, v_exact))
+            fallback[head] = True
+            repaired_bytes[head] += k_exact.numel() * k_exact.element_size() + v_exact.numel() * v_exact.element_size()
+
+            group = (kv_of_q == kv_head).nonzero().squeeze(-1)
+            logits[group[:, None], positions[None, :]] = sm_scale * q[group] @ k_exact.to(torch.float32).T
+            radius[group[:, None], positions[None, :]] = 0.0
+            probs[group] = torch.softmax(logits[group], dim=-1)
+            certificate[group] = reference.accumulate_certificate(probs[group], radius[group]).certificate
+
+    v_eff = torch.where(exact_mask[..., None], exact_values.to(torch.float32), values.to(torch.float32))
+    out = torch.einsum("hs,shd->hd", probs, v_eff[:, kv_of_q, :])
+    return SequenceDecode(
+        out=out,
+        certificate=certificate,
+        fallback=fallback,
+        repaired_bytes=repaired_bytes,
+        repaired_positions=repaired,
+    )

@@ -1,0 +1,447 @@
+"""A Hugging Face transformers ``Cache`` that keeps K/V in the witcert int8 pool and certifies every decode step.
+
+Use::
+
+    model = AutoModelForCausalLM.from_config(config)        # Llama / Qwen2 / Mistral style
+    use_witcert_attention(model)                             # routes attention through witcert_attention
+    cache = WitcertCache(model.config, policy, max_cache_len=512, observer=aggregator)
+    model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+
+Prefill attends on the exact K/V it has just written (no certificate: there is no quantized read).
+Each decode step (one new token) attends over the pool with the real post-RoPE query, so the
+certificate describes exactly the attention the model used; certificates ``[B, H_q]`` per layer go
+to the observer, and in gate mode every head above tau is repaired from the exact host backup
+(``witcert.integrations.gating``).
+
+How the attention function finds the cache: ``update`` returns the new K/V tensors and remembers
+them; ``witcert_attention`` treats a call whose key tensor *is* the one the active cache just
+returned as its own, and hands any other call (a plain ``DynamicCache``, an encoder) to SDPA.
+Batches must be unpadded (equal lengths): a padded mask is refused with an error.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from typing import Any, Protocol
+
+import torch
+from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from witcert.integrations.gating import CachePolicy, GateMode, certified_decode
+from witcert.kernels import reference
+
+ATTENTION_NAME = "witcert"
+
+
+class CertificateObserver(Protocol):
+    """What the cache reports to (``witcert.integrations.CertificateAggregator`` satisfies it)."""
+
+    def observe(
+        self,
+        layer: int,
+        certificate: torch.Tensor,
+        fallback: torch.Tensor | None = None,
+        repaired_bytes: torch.Tensor | None = None,
+    ) -> None: ...
+
+
+class DecodeAudit(Protocol):
+    """Called after every decode step at every layer with the query the attention read and the certificates."""
+
+    def __call__(
+        self, cache: WitcertCache, layer: int, query: torch.Tensor, certificate: torch.Tensor, sm_scale: float
+    ) -> None: ...
+
+
+class _ReferencePool:
+    """Int8 dithered K/V storage for every layer, quantized with the reference quantizer."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        policy: CachePolicy,
+        outlier_channels: torch.Tensor | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        if not policy.v_dither:
+            raise ValueError("v_dither=False needs the witcert.kernels KVPool; the reference pool dithers V")
+        self.policy = policy
+        self.outlier_channels = reference._check_outlier_channels(outlier_channels, kv_heads, head_dim, device)
+        groups = head_dim // policy.group_size
+        outliers = self.outlier_channels.shape[-1]
+        self._codes = {
+            kind: torch.zeros(num_layers, num_slots, kv_heads, head_dim, dtype=torch.int8, device=device)
+            for kind in ("k", "v")
+        }
+        self._scales = {
+            kind: torch.zeros(num_layers, num_slots, kv_heads, groups, dtype=torch.float16, device=device)
+            for kind in ("k", "v")
+        }
+        self._outliers = {
+            kind: torch.zeros(num_layers, num_slots, kv_heads, outliers, dtype=dtype, device=device)
+            for kind in ("k", "v")
+        }
+        self.bytes_per_token = num_layers * kv_heads * 2 * (head_dim + 2 * groups + outliers * dtype.itemsize)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for kind, x in (("k", k), ("v", v)):
+            quantized = reference.quantize(
+                x,
+                seed=self.policy.seed,
+                layer=layer,
+                slots=slots,
+                kind=kind,
+                group_size=self.policy.group_size,
+                outlier_channels=self.outlier_channels,
+                dither_bits=self.policy.dither_bits,
+            )
+            self._codes[kind][layer, slots] = quantized.codes
+            self._scales[kind][layer, slots] = quantized.scales
+            self._outliers[kind][layer, slots] = quantized.outlier_values
+
+    def quantized(self, layer: int, slots: torch.Tensor, kind: reference.Kind) -> reference.QuantizedKV:
+        return reference.QuantizedKV(
+            codes=self._codes[kind][layer, slots],
+            scales=self._scales[kind][layer, slots],
+            outlier_values=self._outliers[kind][layer, slots],
+            outlier_channels=self.outlier_channels,
+            slots=slots.to(torch.int64),
+            seed=self.policy.seed,
+            layer=layer,
+            kind=kind,
+            group_size=self.policy.group_size,
+            dither_bits=self.policy.dither_bits,
+        )
+
+    def dequantize(self, layer: int, slots: torch.Tensor, kind: reference.Kind) -> torch.Tensor:
+        return self.quantized(layer, slots, kind).dequantize(torch.float32)
+
+
+class _RepairedSlots:
+    """Exact K/V rows of repaired (slot, KV head) pairs of one layer, kept on the compute device."""
+
+    def __init__(self, num_slots: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype):
+        self.row_of = torch.full((num_slots, kv_heads), -1, dtype=torch.int64, device=device)
+        self.keys = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty(0, head_dim, dtype=dtype, device=device)
+
+    def add(self, slots: torch.Tensor, kv_head: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        first = self.keys.shape[0]
+        self.row_of[slots, kv_head] = torch.arange(first, first + slots.numel(), device=self.row_of.device)
+        self.keys = torch.cat((self.keys, k.to(self.keys)))
+        self.values = torch.cat((self.values, v.to(self.values)))
+
+    def dense(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(mask [S, H_kv], keys [S, H_kv, D], values [S, H_kv, D])`` for a sequence's slots."""
+        rows = self.row_of[slots]
+        mask = rows >= 0
+        safe = rows.clamp_min(0)
+        if self.keys.shape[0] == 0:
+            empty = torch.zeros(*rows.shape, self.keys.shape[1], dtype=self.keys.dtype, device=rows.device)
+            return mask, empty, empty.clone()
+        return mask, self.keys[safe], self.values[safe]
+
+    def any_in(self, slots: torch.Tensor) -> bool:
+        return bool((self.row_of[slots] >= 0).any())
+
+
+class WitcertLayer(CacheLayerMixin):
+    """One layer's view of the shared pool: it only tracks the length and delegates to the cache."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: WitcertCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.cache._allocate(key_states)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.cache._write(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.cache.max_cache_len
+
+    def reset(self) -> None:
+        raise NotImplementedError("a WitcertCache serves one request: make a new one instead of resetting it")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by WitcertCache (slots key the dither streams)")
+
+
+_ACTIVE_CACHE: contextvars.ContextVar[WitcertCache | None] = contextvars.ContextVar("witcert_cache", default=None)
+
+
+class WitcertCache(Cache):
+    """K/V for a batch of unpadded sequences in the witcert int8 pool, certified and gated at every decode step."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        policy: CachePolicy | None = None,
+        *,
+        max_cache_len: int,
+        observer: CertificateObserver | None = None,
+        keep_exact: bool = False,
+        audit: DecodeAudit | None = None,
+    ) -> None:
+        text_config = config.get_text_config(decoder=True)
+        self.num_layers: int = text_config.num_hidden_layers
+        self.num_q_heads: int = text_config.num_attention_heads
+        if max_cache_len <= 0:
+            raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
+        super().__init__(layers=[WitcertLayer(self, i) for i in range(self.num_layers)])
+        self.policy = policy or CachePolicy()
+        self.max_cache_len = max_cache_len
+        self.observer = observer
+        self.audit = audit
+        # The exact backup costs host memory: keep it only where gating (or an audit) reads it.
+        self.keep_exact = keep_exact or self.policy.mode is GateMode.GATE
+        self.delta = self.policy.delta_step(self.num_layers, self.num_q_heads)
+        self.decode_steps = 0
+        # Running totals on the compute device (no host sync per step): what this cache produced.
+        self.certificate_total = torch.zeros((), dtype=torch.int64)
+        self.fallback_total = torch.zeros((), dtype=torch.int64)
+        self.repaired_bytes_total = torch.zeros((), dtype=torch.int64)
+        self.pool: _ReferencePool | None = None
+        self.backup: dict[str, torch.Tensor] | None = None
+        self.repaired: list[_RepairedSlots] = []
+        self._returned: tuple[int, torch.Tensor] | None = None
+
+    # --- storage ---------------------------------------------------------------------------------
+
+    def _allocate(self, key_states: torch.Tensor) -> None:
+        if self.pool is not None:
+            return
+        batch, kv_heads, _, head_dim = key_states.shape
+        if head_dim % self.policy.group_size:
+            raise ValueError(f"group_size {self.policy.group_size} must divide head_dim {head_dim}")
+        if self.policy.outlier_pairs > head_dim // 2:
+            raise ValueError(f"outlier_pairs {self.policy.outlier_pairs} exceeds the {head_dim // 2} RoPE pairs")
+        self._batch = batch
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.certificate_total = self.certificate_total.to(self.device)
+        self.fallback_total = self.fallback_total.to(self.device)
+        self.repaired_bytes_total = self.repaired_bytes_total.to(self.device)
+        num_slots = batch * self.max_cache_len
+        outliers = None
+        if self.policy.outlier_pairs:
+            # The lowest-frequency RoPE pairs are where post-RoPE keys carry their outlier channels.
+            pairs = list(range(head_dim // 2 - self.policy.outlier_pairs, head_dim // 2))
+            outliers = reference.rope_pair_channels(pairs, head_dim).to(self.device)
+        self.pool = _ReferencePool(
+            num_slots,
+            self.num_layers,
+            kv_heads,
+            head_dim,
+            policy=self.policy,
+            outlier_channels=outliers,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        if self.keep_exact:
+            pin = self.device.type == "cuda"
+            self.backup = {
+                kind: torch.empty(self.num_layers, num_slots, kv_heads, head_dim, dtype=self.dtype, pin_memory=pin)
+                for kind in ("k", "v")
+            }
+        self.repaired = [
+            _RepairedSlots(num_slots, kv_heads, head_dim, self.device, self.dtype) for _ in range(self.num_layers)
+        ]
+
+    def slots(self, batch_index: int, length: int) -> torch.Tensor:
+        """Pool slots of one sequence's first ``length`` positions (sequence ``b`` owns a contiguous range)."""
+        start = batch_index * self.max_cache_len
+        return torch.arange(start, start + length, device=self.device)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Pool bytes per token, all layers, K and V."""
+        if self.pool is None:
+            raise RuntimeError("the cache holds nothing yet")
+        return self.pool.bytes_per_token
+
+    @property
+    def fp16_bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_heads * self.head_dim * 2 * 2
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, _, new, head_dim = k.shape
+        if batch != self._batch:
+            raise ValueError(f"this cache holds a batch of {self._batch}, got {batch}")
+        state = self.layers[layer]
+        start = state.length
+        if start + new > self.max_cache_len:
+            raise ValueError(f"sequence length {start + new} exceeds max_cache_len={self.max_cache_len}")
+        positions = torch.arange(start, start + new, device=self.device)
+        slots = (torch.arange(batch, device=self.device)[:, None] * self.max_cache_len + positions).reshape(-1)
+        k_rows = k.transpose(1, 2).reshape(batch * new, self.kv_heads, head_dim)
+        v_rows = v.transpose(1, 2).reshape(batch * new, self.kv_heads, head_dim)
+        self.pool.write(layer, slots, k_rows, v_rows)
+        if self.backup is not None:
+            host_slots = slots.cpu()
+            self.backup["k"][layer, host_slots] = k_rows.to("cpu", non_blocking=True)
+            self.backup["v"][layer, host_slots] = v_rows.to("cpu", non_blocking=True)
+        state.length = start + new
+
+        if new == 1:
+            self._returned = (layer, k)
+            _ACTIVE_CACHE.set(self)
+            return k, v
+        if start == 0:
+            return k, v
+        # A multi-token step after the prompt (chunked prefill) reads the past from the pool.
+        past = [self._read_back(layer, b, start) for b in range(batch)]
+        past_k = torch.stack([p[0] for p in past]).transpose(1, 2).to(k.dtype)
+        past_v = torch.stack([p[1] for p in past]).transpose(1, 2).to(v.dtype)
+        return torch.cat((past_k, k), dim=-2), torch.cat((past_v, v), dim=-2)
+
+    def _read_back(self, layer: int, batch_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slots(batch_index, length)
+        mask, exact_k, exact_v = self.repaired[layer].dense(slots)
+        k = torch.where(mask[..., None], exact_k.float(), self.pool.dequantize(layer, slots, "k"))
+        v = torch.where(mask[..., None], exact_v.float(), self.pool.dequantize(layer, slots, "v"))
+        return k, v
+
+    def exact_keys(self, layer: int, batch_index: int) -> torch.Tensor:
+        """The unquantized keys ``[S, H_kv, D]`` of one sequence at one layer (needs ``keep_exact``)."""
+        if self.backup is None:
+            raise RuntimeError("exact keys are kept only in gate mode or with keep_exact=True")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
+        length = self.layers[layer].length
+        return self.backup["k"][layer, self.slots(batch_index, length).cpu()].to(self.device)
+
+    def quantized_keys(self, layer: int, batch_index: int) -> torch.Tensor:
+        """The keys the decode reads ``[S, H_kv, D]`` float32: dequantized, exact where repaired."""
+        return self._read_back(layer, batch_index, self.layers[layer].length)[0]
+
+    # --- decode ----------------------------------------------------------------------------------
+
+    def claims(self, layer: int, key: torch.Tensor) -> bool:
+        return self._returned is not None and self._returned[0] == layer and self._returned[1] is key
+
+    def decode(self, layer: int, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """Attention of one new token per sequence over the pool: ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``."""
+        self._returned = None
+        batch = query.shape[0]
+        length = self.layers[layer].length
+        gate = self.policy.mode is GateMode.GATE
+        outs, certificates, fallbacks, repaired_bytes = [], [], [], []
+        for b in range(batch):
+            slots = self.slots(b, length)
+            mask, exact_k, exact_v = self.repaired[layer].dense(slots)
+            host_slots = slots.cpu() if gate else None
+
+            def fetch(positions: torch.Tensor, kv_head: int, host_slots: torch.Tensor | None = host_slots):
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                picked = host_slots[positions.cpu()]
+                return (
+                    self.backup["k"][layer, picked, kv_head].to(self.device),
+                    self.backup["v"][layer, picked, kv_head].to(self.device),
+                )
+
+            result = certified_decode(
+                query[b],
+                self.pool.quantized(layer, slots, "k"),
+                self.pool.dequantize(layer, slots, "v"),
+                mask,
+                exact_k,
+                exact_v,
+                sm_scale=sm_scale,
+                delta=self.delta,
+                tau=self.policy.tau if gate else None,
+                fetch=fetch if gate else None,
+                block_size=self.policy.repair_block,
+            )
+            for kv_head, positions, k_exact, v_exact in result.repaired_positions:
+                self.repaired[layer].add(slots[positions], kv_head, k_exact, v_exact)
+            outs.append(result.out)
+            certificates.append(result.certificate)
+            fallbacks.append(result.fallback)
+            repaired_bytes.append(result.repaired_bytes)
+        if layer == 0:
+            self.decode_steps += 1
+        certificate = torch.stack(certificates)
+        fallback = torch.stack(fallbacks)
+        repaired = torch.stack(repaired_bytes)
+        self.certificate_total += certificate.numel()
+        self.fallback_total += fallback.sum()
+        self.repaired_bytes_total += repaired.sum()
+        if self.audit is not None:
+            self.audit(self, layer, query.float(), certificate, sm_scale)
+        if self.observer is not None and self.policy.mode is not GateMode.OFF:
+            self.observer.observe(
+                layer,
+                certificate,
+                fallback=fallback if gate else None,
+                repaired_bytes=repaired if gate else None,
+            )
+        return torch.stack(outs)
+
+
+def witcert_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: decode steps of a ``WitcertCache`` read the pool, all else goes to SDPA."""
+    cache = _ACTIVE_CACHE.get()
+    layer = getattr(module, "layer_idx", None)
+    if cache is None or layer is None or query.shape[2] != 1 or not cache.claims(layer, key):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if attention_mask is not None and not bool(
+        (attention_mask == 0).all() if attention_mask.is_floating_point() else attention_mask.all()
+    ):
+        raise ValueError("WitcertCache needs unpadded batches: the attention mask hides some cached tokens")
+    sm_scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = cache.decode(layer, query[:, :, 0, :], sm_scale)
+    return out[:, None].to(query.dtype), None
+
+
+def use_witcert_attention(model: PreTrainedModel) -> None:
+    """Route ``model``'s attention through ``witcert_attention`` (other caches keep exact SDPA behaviour)."""
+    AttentionInterface.register(ATTENTION_NAME, witcert_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The forward argument that takes the cache: ``cache`` from transformers 5.2x, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
