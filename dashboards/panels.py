@@ -1,0 +1,495 @@
+"""Every panel's SQL, written once: the Grafana dashboard and the built-in page both render from here.
+
+Panels read the collector's rollups (``witcert_counts_*``, ``witcert_buckets_*``), never the raw
+sample rows, so a 30-day view stays cheap: ranges up to two days read the 1-minute rollup, longer
+ones the 1-hour rollup. The switch is a constant condition on the time range inside the SQL itself
+(ClickHouse folds it and reads no part of the branch that is off), so Grafana and the page send
+the same text. Export lag is the one panel that reads a raw table (the gauge); its rows are
+few (one per exporter flush) and the exporter schema's sort key (ServiceName, MetricName, ...)
+finds them.
+
+SQL uses only the macros grafana-clickhouse-datasource expands on its backend and the dashboard
+variables ``model``, ``instance`` (multi-value, ``${name:singlequote}``) and ``tau``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from witcert import telemetry_schema as names
+
+# Ranges up to this many seconds read the 1-minute rollup; longer ones the 1-hour rollup.
+MINUTE_ROLLUP_MAX_RANGE_S = 2 * 86400
+
+# The rollups' Layer/Head for counters reported without those attributes.
+NO_LAYER_OR_HEAD = 65535
+
+PanelKind = Literal["stat", "timeseries", "matrix"]
+TIME = "time"  # the time column every time-series query returns first
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    """One query of a panel and the columns it must return, in order."""
+
+    ref_id: str
+    sql: str
+    columns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """A panel, independent of who renders it.
+
+    ``kind`` decides the shape: ``timeseries`` queries return ``time``, then label columns (strings,
+    one series per distinct combination), then numeric values; ``matrix`` queries return row key,
+    column key and value (the layer x head heat maps); ``stat`` queries return one row of values.
+    """
+
+    key: str
+    title: str
+    description: str
+    kind: PanelKind
+    queries: tuple[PanelQuery, ...]
+    unit: str  # Grafana unit id: percentunit, short, bytes, s, ...
+    section: str
+    width: int = 12  # of Grafana's 24 grid columns
+    height: int = 8
+    min_value: float | None = None
+    max_value: float | None = None
+    higher_is_better: bool = False  # colours: coverage is good when high, everything else when low
+
+
+@dataclass(frozen=True)
+class VariableSpec:
+    """A dashboard variable: a query over the store, or fixed choices."""
+
+    name: str
+    label: str
+    description: str
+    query: str | None = None  # one column of values; None means fixed ``choices``
+    choices: tuple[str, ...] = ()
+    default: str = ""
+    multi: bool = False
+
+
+_SELECTION = "Model IN (${model:singlequote}) AND Instance IN (${instance:singlequote})"
+_IS_SHORT_RANGE = f"dateDiff('second', $__fromTime, $__toTime) <= {MINUTE_ROLLUP_MAX_RANGE_S}"
+
+
+def rollup(family: Literal["counts", "buckets"], columns: str) -> str:
+    """A subquery over the right rollup for the range: ``t`` (time bucket) plus ``columns``, filtered.
+
+    The time bucket is Grafana's interval, but never finer than the rollup's own resolution.
+    """
+    return (
+        "(\n"
+        f"  SELECT toStartOfInterval(Bucket, INTERVAL greatest($__interval_s, 60) second) AS t, {columns}\n"
+        f"  FROM witcert_{family}_1m\n"
+        f"  WHERE $__timeFilter(Bucket) AND {_IS_SHORT_RANGE} AND {_SELECTION}\n"
+        "  UNION ALL\n"
+        f"  SELECT toStartOfInterval(Bucket, INTERVAL greatest($__interval_s, 3600) second) AS t, {columns}\n"
+        f"  FROM witcert_{family}_1h\n"
+        "  WHERE Bucket >= toStartOfHour($__fromTime) AND Bucket <= $__toTime\n"
+        f"    AND NOT ({_IS_SHORT_RANGE}) AND {_SELECTION}\n"
+        ")"
+    )
+
+
+def _ratio(numerator: str, denominator: str) -> str:
+    # Empty buckets give NULL (a gap in the chart), never a division by zero.
+    return f"sum({numerator}) / nullIf(sum({denominator}), 0)"
+
+
+_TAU = "toFloat64('${tau}')"
+_COVERED_AT_TAU = f"sumIf(Count, UpperBound <= {_TAU})"
+_BUCKET_SECONDS = "greatest($__interval_s, if(" + _IS_SHORT_RANGE + ", 60, 3600))"
+
+
+# Series labels a time-series panel may split by: the rollup column read, and its display form.
+_LABELS = {
+    "model": ("Model", "Model"),
+    "instance": ("Instance", "Instance"),
+    "layer": ("Layer", "concat('layer ', leftPad(toString(Layer), 3, '0'))"),
+}
+
+
+def _timeseries(
+    ref_id: str,
+    family: Literal["counts", "buckets"],
+    source_columns: str,
+    select: str,
+    labels: tuple[str, ...],
+    values: tuple[str, ...],
+) -> PanelQuery:
+    label_select = "".join(f", {_LABELS[label][1]} AS {label}" for label in labels)
+    label_sources = "".join(f", {_LABELS[label][0]}" for label in labels)
+    group_by = "".join(f", {label}" for label in labels)
+    sql = (
+        f"SELECT t AS {TIME}{label_select}, {select}\n"
+        f"FROM {rollup(family, source_columns + label_sources)}\n"
+        f"GROUP BY {TIME}{group_by}\n"
+        f"ORDER BY {TIME}{group_by}"
+    )
+    return PanelQuery(ref_id, sql, (TIME, *labels, *values))
+
+
+def _coverage_query(labels: tuple[str, ...]) -> PanelQuery:
+    return _timeseries(
+        "A",
+        "buckets",
+        "UpperBound, Count",
+        f"{_COVERED_AT_TAU} / nullIf(sum(Count), 0) AS coverage_at_tau",
+        labels,
+        ("coverage_at_tau",),
+    )
+
+
+def _matrix_query(select: str, value: str, family: Literal["counts", "buckets"], columns: str) -> PanelQuery:
+    sql = (
+        f"SELECT Layer AS layer, Head AS head, {select} AS {value}\n"
+        f"FROM {rollup(family, 'Layer, Head, ' + columns)}\n"
+        # Rows of counters that carry no layer/head (steps, drops) sit at 65535: not a head.
+        f"WHERE Layer != {NO_LAYER_OR_HEAD} AND Head != {NO_LAYER_OR_HEAD}\n"
+        "GROUP BY layer, head\n"
+        "ORDER BY layer, head"
+    )
+    return PanelQuery("A", sql, ("layer", "head", value))
+
+
+VARIABLES: tuple[VariableSpec, ...] = (
+    VariableSpec(
+        name="model",
+        label="Model",
+        description="Models that reported certificates in the time range",
+        query="SELECT DISTINCT Model FROM witcert_counts_1h "
+        "WHERE Bucket >= toStartOfHour($__fromTime) AND Bucket <= $__toTime ORDER BY Model",
+        multi=True,
+    ),
+    VariableSpec(
+        name="instance",
+        label="Instance",
+        description="Engine instances (service.instance.id) of the selected models",
+        query="SELECT DISTINCT Instance FROM witcert_counts_1h "
+        "WHERE Bucket >= toStartOfHour($__fromTime) AND Bucket <= $__toTime AND Model IN (${model:singlequote}) "
+        "ORDER BY Instance",
+        multi=True,
+    ),
+    VariableSpec(
+        name="tau",
+        label="tau",
+        description="Threshold on the certificate (a bound on TV distance): coverage is the share of "
+        "sampled certificates at or below it, counted from whole histogram buckets (a lower bound)",
+        choices=("0.001", "0.01", "0.0316", "0.05", "0.1", "0.316", "1"),
+        default="0.1",
+    ),
+)
+
+PANELS: tuple[PanelSpec, ...] = (
+    # --- headline numbers -----------------------------------------------------------------------
+    PanelSpec(
+        key="coverage_now",
+        title="Coverage at tau",
+        description="Share of sampled certificates <= tau over the whole range (whole buckets only: a lower bound).",
+        kind="stat",
+        queries=(
+            PanelQuery(
+                "A",
+                f"SELECT {_COVERED_AT_TAU} / nullIf(sum(Count), 0) AS coverage_at_tau\n"
+                f"FROM {rollup('buckets', 'UpperBound, Count')}",
+                ("coverage_at_tau",),
+            ),
+        ),
+        unit="percentunit",
+        section="Summary",
+        width=6,
+        height=4,
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    ),
+    PanelSpec(
+        key="gate_coverage_now",
+        title="Covered at the engine's tau",
+        description="Certificates at or below the tau in force in the engine, over every decode step "
+        "(not only sampled ones).",
+        kind="stat",
+        queries=(
+            PanelQuery(
+                "A",
+                f"SELECT {_ratio('Covered', 'Certificates')} AS covered_fraction\n"
+                f"FROM {rollup('counts', 'Covered, Certificates')}",
+                ("covered_fraction",),
+            ),
+        ),
+        unit="percentunit",
+        section="Summary",
+        width=6,
+        height=4,
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    ),
+    PanelSpec(
+        key="fallback_now",
+        title="Fallback rate",
+        description="Head-steps repaired from the exact K/V backup, per certificate computed.",
+        kind="stat",
+        queries=(
+            PanelQuery(
+                "A",
+                f"SELECT {_ratio('Fallbacks', 'Certificates')} AS fallback_rate\n"
+                f"FROM {rollup('counts', 'Fallbacks, Certificates')}",
+                ("fallback_rate",),
+            ),
+        ),
+        unit="percentunit",
+        section="Summary",
+        width=6,
+        height=4,
+        min_value=0,
+    ),
+    PanelSpec(
+        key="inf_now",
+        title="Infinite certificates",
+        description="Certificates that overflowed to +inf (still valid bounds, never averaged).",
+        kind="stat",
+        queries=(
+            PanelQuery(
+                "A", f"SELECT sum(`Inf`) AS inf_certificates\nFROM {rollup('counts', '`Inf`')}", ("inf_certificates",)
+            ),
+        ),
+        unit="short",
+        section="Summary",
+        width=6,
+        height=4,
+        min_value=0,
+    ),
+    # --- coverage ---------------------------------------------------------------------------------
+    PanelSpec(
+        key="coverage_overall",
+        title="Coverage over time at tau",
+        description="Sampled certificates <= tau (histogram buckets), and certificates covered at the engine's "
+        "own tau over every decode step.",
+        kind="timeseries",
+        queries=(
+            _coverage_query(()),
+            _timeseries(
+                "B",
+                "counts",
+                "Covered, Certificates",
+                f"{_ratio('Covered', 'Certificates')} AS covered_at_engine_tau",
+                (),
+                ("covered_at_engine_tau",),
+            ),
+        ),
+        unit="percentunit",
+        section="Coverage",
+        width=24,
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    ),
+    PanelSpec(
+        key="coverage_by_model",
+        title="Coverage at tau by model",
+        description="Sampled certificates <= tau, one series per model.",
+        kind="timeseries",
+        queries=(_coverage_query(("model",)),),
+        unit="percentunit",
+        section="Coverage",
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    ),
+    PanelSpec(
+        key="coverage_by_layer",
+        title="Coverage at tau by layer",
+        description="Sampled certificates <= tau, one series per layer.",
+        kind="timeseries",
+        queries=(_coverage_query(("layer",)),),
+        unit="percentunit",
+        section="Coverage",
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    ),
+    PanelSpec(
+        key="coverage_heatmap",
+        title="Coverage at tau, layer x head",
+        description="Sampled certificates <= tau for each (layer, head) over the range.",
+        kind="matrix",
+        queries=(
+            _matrix_query(
+                f"{_COVERED_AT_TAU} / nullIf(sum(Count), 0)",
+                "coverage_at_tau",
+                "buckets",
+                "UpperBound, Count",
+            ),
+        ),
+        unit="percentunit",
+        section="Layer x head",
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    ),
+    PanelSpec(
+        key="max_certificate_heatmap",
+        title="Largest certificate, layer x head",
+        description="Upper bound of the highest non-empty histogram bucket per (layer, head): the largest "
+        "sampled certificate is at most this.",
+        kind="matrix",
+        queries=(_matrix_query("maxIf(UpperBound, Count > 0)", "max_certificate", "buckets", "UpperBound, Count"),),
+        unit="short",
+        section="Layer x head",
+        min_value=0,
+    ),
+    # --- distribution -------------------------------------------------------------------------------
+    PanelSpec(
+        key="certificate_quantiles",
+        title="Certificate quantiles",
+        description="p50, p90, p99 of sampled certificates, each the upper bound of the bucket holding it.",
+        kind="timeseries",
+        queries=(
+            _timeseries(
+                "A",
+                "buckets",
+                "UpperBound, Count",
+                "quantileExactWeighted(0.5)(UpperBound, Count) AS p50, "
+                "quantileExactWeighted(0.9)(UpperBound, Count) AS p90, "
+                "quantileExactWeighted(0.99)(UpperBound, Count) AS p99",
+                (),
+                ("p50", "p90", "p99"),
+            ),
+        ),
+        unit="short",
+        section="Certificates",
+        min_value=0,
+    ),
+    PanelSpec(
+        key="vacuous_inf_fractions",
+        title="Vacuous and infinite fractions",
+        description="Certificates >= 1 (no guarantee) and +inf, per certificate computed; NaN (a bug) is shown too.",
+        kind="timeseries",
+        queries=(
+            _timeseries(
+                "A",
+                "counts",
+                "Vacuous, `Inf`, `NaN`, Certificates",
+                f"{_ratio('Vacuous', 'Certificates')} AS vacuous_fraction, "
+                f"{_ratio('`Inf`', 'Certificates')} AS inf_fraction, "
+                f"{_ratio('`NaN`', 'Certificates')} AS nan_fraction",
+                (),
+                ("vacuous_fraction", "inf_fraction", "nan_fraction"),
+            ),
+        ),
+        unit="percentunit",
+        section="Certificates",
+        min_value=0,
+    ),
+    # --- gating -------------------------------------------------------------------------------------
+    PanelSpec(
+        key="fallback_rate",
+        title="Fallback rate by model",
+        description="Head-steps repaired from exact K/V per certificate computed.",
+        kind="timeseries",
+        queries=(
+            _timeseries(
+                "A",
+                "counts",
+                "Fallbacks, Certificates",
+                f"{_ratio('Fallbacks', 'Certificates')} AS fallback_rate",
+                ("model",),
+                ("fallback_rate",),
+            ),
+        ),
+        unit="percentunit",
+        section="Gating",
+        min_value=0,
+    ),
+    PanelSpec(
+        key="repaired_bytes",
+        title="Repaired bytes per second",
+        description="Bytes paged in from the exact K/V backup.",
+        kind="timeseries",
+        queries=(
+            _timeseries(
+                "A",
+                "counts",
+                "RepairedBytes",
+                f"sum(RepairedBytes) / {_BUCKET_SECONDS} AS repaired_bytes_per_s",
+                ("model",),
+                ("repaired_bytes_per_s",),
+            ),
+        ),
+        unit="Bps",
+        section="Gating",
+        min_value=0,
+    ),
+    # --- telemetry health -----------------------------------------------------------------------------
+    PanelSpec(
+        key="samples_per_second",
+        title="Stored samples per second",
+        description="Sampled certificates stored, per instance.",
+        kind="timeseries",
+        queries=(
+            _timeseries(
+                "A",
+                "buckets",
+                "Count",
+                f"sum(Count) / {_BUCKET_SECONDS} AS samples_per_s",
+                ("instance",),
+                ("samples_per_s",),
+            ),
+        ),
+        unit="short",
+        section="Telemetry health",
+        width=8,
+        min_value=0,
+    ),
+    PanelSpec(
+        key="dropped_points",
+        title="Dropped points",
+        description="Points the engine dropped because its export buffer was full.",
+        kind="timeseries",
+        queries=(_timeseries("A", "counts", "Dropped", "sum(Dropped) AS dropped", ("instance",), ("dropped",)),),
+        unit="short",
+        section="Telemetry health",
+        width=8,
+        min_value=0,
+    ),
+    PanelSpec(
+        key="export_lag",
+        title="Export lag",
+        description="Seconds from the device snapshot to the OTLP export, worst per interval.",
+        kind="timeseries",
+        queries=(
+            PanelQuery(
+                "A",
+                f"SELECT $__timeInterval(TimeUnix) AS {TIME}, "
+                f"ResourceAttributes['{names.RESOURCE_INSTANCE}'] AS instance, max(Value) AS export_lag_s\n"
+                "FROM otel_metrics_gauge\n"
+                f"WHERE MetricName = '{names.EXPORT_LAG}' AND $__timeFilter(TimeUnix)\n"
+                f"  AND ResourceAttributes['{names.RESOURCE_MODEL}'] IN (${{model:singlequote}})\n"
+                f"  AND ResourceAttributes['{names.RESOURCE_INSTANCE}'] IN (${{instance:singlequote}})\n"
+                f"GROUP BY {TIME}, instance\n"
+                f"ORDER BY {TIME}, instance",
+                (TIME, "instance", "export_lag_s"),
+            ),
+        ),
+        unit="s",
+        section="Telemetry health",
+        width=8,
+        min_value=0,
+    ),
+)
+
+SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(panel.section for panel in PANELS))
+
+
+def panel(key: str) -> PanelSpec:
+    for spec in PANELS:
+        if spec.key == key:
+            return spec
+    raise KeyError(f"no panel {key!r}; panels: {', '.join(p.key for p in PANELS)}")
