@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # ``register(subparsers) -> None`` that adds its subcommand(s) with their own help.
 SUBCOMMAND_MODULES: dict[str, str] = {
     "witcert.kernels.cli": "selftest: check the reference and the kernels on this machine",
+    "witcert.dashboards.cli": "dashboards: export Grafana provisioning files or push them to a Grafana",
 }
 
 
