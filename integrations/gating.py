@@ -38,7 +38,7 @@ class CachePolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: GateMode = GateMode.GATE
-    tau: float = Field(0.05, gt=0.0, description="repair any head whose certificate exceeds this TV bound")
+    tau: float = Field(0.05, gt=0.0, lt=1.0, description="repair any head whose certificate exceeds this TV bound")
     outlier_pairs: int = Field(0, ge=0, description="m: RoPE pairs per head stored exactly (lowest frequencies)")
     group_size: int = Field(32, gt=0, description="channels sharing one fp16 scale")
     dither_bits: Literal[8, 16, 24] = 8

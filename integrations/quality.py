@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from witcert.integrations.gating import CachePolicy
 from witcert.integrations.transformers_cache import (
@@ -27,6 +27,39 @@ from witcert.integrations.transformers_cache import (
     use_witcert_attention,
 )
 from witcert.kernels import reference
+
+
+def random_model(
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    q_heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    vocab: int = 512,
+    init_std: float = 0.1,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama-style model (GQA, RoPE): no weights are downloadable here.
+
+    ``init_std`` 0.1 instead of transformers' 0.02 makes attention peaked enough that certificates land
+    near the default tau (0.02 gives nearly uniform attention and certificates around 1e-3).
+    """
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=q_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        initializer_range=init_std,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
 @dataclass

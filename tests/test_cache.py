@@ -1,0 +1,140 @@
+"""The transformers cache on a tiny random Llama: same generation as the unquantized cache, every
+certificate reported, bad input refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from witcert.integrations.aggregator import CertificateAggregator
+from witcert.integrations.gating import CachePolicy, GateMode
+from witcert.integrations.quality import greedy_continuation, random_model, teacher_forced_quality
+from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
+
+LAYERS, Q_HEADS, KV_HEADS = 2, 4, 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_model(layers=LAYERS, hidden=128, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=32, vocab=256)
+    use_witcert_attention(model)
+    return model
+
+
+def _prompt(batch: int = 1, length: int = 24, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_generation_matches_unquantized_cache_within_documented_error(model):
+    # docs/QUALITY.md: on this model, teacher-forced KL per step < 1e-3 nats and identical greedy argmax.
+    prompt = _prompt()
+    continuation = greedy_continuation(model, prompt, 12)
+    report = teacher_forced_quality(model, prompt, continuation, CachePolicy(mode=GateMode.OBSERVE))
+    assert report.kl_max < 1e-3
+    assert report.top1_agreement == 1.0
+    assert report.violations == 0
+    assert report.certificates == LAYERS * Q_HEADS * 12
+
+    cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=64)
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=12,
+            do_sample=False,
+            **{cache_kwarg(model): cache},
+        )
+    assert torch.equal(generated[:, prompt.shape[1] :], continuation)
+
+
+def test_other_caches_keep_exact_attention(model):
+    # With witcert attention installed, a DynamicCache must behave exactly as plain SDPA does.
+    prompt = _prompt(seed=2)
+    with torch.no_grad():
+        ours = model(input_ids=prompt, **{cache_kwarg(model): DynamicCache(config=model.config)}).logits
+        model.set_attn_implementation("sdpa")
+        plain = model(input_ids=prompt, **{cache_kwarg(model): DynamicCache(config=model.config)}).logits
+        use_witcert_attention(model)
+    assert torch.equal(ours, plain)
+
+
+def test_every_layer_head_and_step_is_reported_to_the_aggregator(model):
+    batch, steps, stride = 2, 7, 3
+    aggregator = CertificateAggregator(LAYERS, Q_HEADS, tau=0.05, stride=stride, device="cpu")
+    cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=64, observer=aggregator)
+    prompt = _prompt(batch=batch, seed=3)
+    with torch.no_grad():
+        model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1,
+            do_sample=False,
+            **{cache_kwarg(model): cache},
+        )
+    snapshot = aggregator.snapshot()
+    samples = snapshot.samples
+    assert snapshot.step == steps
+    assert cache.decode_steps == steps
+    assert samples.shape == (LAYERS, Q_HEADS)
+    assert (samples == batch * steps).all()  # every row of every head of every layer at every step
+    assert int(cache.certificate_total) == batch * steps * LAYERS * Q_HEADS
+    sampled_steps = sorted(set(snapshot.raw_step.tolist()))
+    assert sampled_steps == [s for s in range(steps) if s % stride == 0]
+    for step in sampled_steps:
+        at_step = snapshot.raw_step == step
+        cells = set(zip(snapshot.raw_layer[at_step].tolist(), snapshot.raw_head[at_step].tolist(), strict=True))
+        assert cells == {(layer, head) for layer in range(LAYERS) for head in range(Q_HEADS)}
+
+
+def test_off_mode_reports_nothing_and_keeps_no_backup(model):
+    aggregator = CertificateAggregator(LAYERS, Q_HEADS, tau=0.05, stride=1, device="cpu")
+    cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OFF), max_cache_len=64, observer=aggregator)
+    prompt = _prompt(seed=4)
+    with torch.no_grad():
+        model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=3,
+            do_sample=False,
+            **{cache_kwarg(model): cache},
+        )
+    assert (aggregator.snapshot().counters()["samples"] == 0).all()
+    assert cache.backup is None
+    assert cache.bytes_per_token < cache.fp16_bytes_per_token / 1.8
+
+
+def test_chunked_prefill_reads_the_past_from_the_pool(model):
+    prompt = _prompt(length=20, seed=5)
+    with torch.no_grad():
+        whole = model(input_ids=prompt, **{cache_kwarg(model): DynamicCache(config=model.config)}).logits[:, -1]
+        cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=32)
+        model(input_ids=prompt[:, :12], **{cache_kwarg(model): cache})
+        chunked = model(input_ids=prompt[:, 12:], **{cache_kwarg(model): cache}).logits[:, -1]
+    assert cache.get_seq_length() == 20
+    kl = (whole.log_softmax(-1).exp() * (whole.log_softmax(-1) - chunked.log_softmax(-1))).sum(-1)
+    assert float(kl.max()) < 1e-3
+
+
+def test_bad_input_is_refused_with_a_clear_error(model):
+    with pytest.raises(ValueError, match="max_cache_len"):
+        WitcertCache(model.config, max_cache_len=0)
+    cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=8)
+    with pytest.raises(ValueError, match="exceeds max_cache_len"), torch.no_grad():
+        model(input_ids=_prompt(length=9), **{cache_kwarg(model): cache})
+    padded = _prompt(batch=2, length=6, seed=6)
+    mask = torch.ones_like(padded)
+    mask[0, 0] = 0
+    cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=16)
+    with pytest.raises(ValueError, match="unpadded"), torch.no_grad():
+        model.generate(
+            input_ids=padded, attention_mask=mask, max_new_tokens=2, do_sample=False, **{cache_kwarg(model): cache}
+        )
+    with pytest.raises(ValueError, match="group_size"), torch.no_grad():
+        model(
+            input_ids=_prompt(length=4),
+            **{cache_kwarg(model): WitcertCache(model.config, CachePolicy(group_size=64), max_cache_len=8)},
+        )
+    with pytest.raises(ValueError):
+        CachePolicy(tau=1.5)
