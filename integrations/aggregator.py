@@ -20,8 +20,9 @@ Semantics (docs/TELEMETRY.md is the full statement):
   and one raw sample per (layer, head) enters the ring: the maximum over the active batch rows, ``+inf``
   kept, NaN when any row is NaN.
 - All comparisons are made in float32, whatever the certificate's dtype.
-- Counters are cumulative and never reset on the device: the exporter takes differences between
-  host copies, so there is no reset to race with the step loop.
+- Counters, histogram counts and sums are cumulative and never reset on the device: the exporter takes
+  differences between host copies, so there is no reset to race with the step loop. Only the
+  histogram's min and max restart, in stream order right after each flush's copy.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class AggregatorSnapshot:
     histogram_bounds: tuple[float, ...]
     histogram_counts: np.ndarray  # [L, H, len(bounds) + 1]; bucket i holds bounds[i-1] < v <= bounds[i]
     histogram_sum: np.ndarray  # float64 [L, H], finite sampled values
+    # Extrema since the last ``restart_extrema`` (each flush of a TelemetryStream), not since construction.
     histogram_min: np.ndarray  # float64 [L, H]; +inf where no finite value was sampled
     histogram_max: np.ndarray  # float64 [L, H]; -inf where no finite value was sampled
     raw_layer: np.ndarray
@@ -411,8 +413,7 @@ class CertificateAggregator:
         self._hist_sum = views["hist_sum"].view(cell_shape)
         self._hist_min = views["hist_min"].view(cell_shape)
         self._hist_max = views["hist_max"].view(cell_shape)
-        self._hist_min.fill_(math.inf)
-        self._hist_max.fill_(-math.inf)
+        self.restart_extrema()
         self._ring_value = views["ring_value"]
         self._ring_layer = views["ring_layer"]
         self._ring_head = views["ring_head"]
@@ -427,6 +428,15 @@ class CertificateAggregator:
     def state(self) -> torch.Tensor:
         """The whole state as one int64 device tensor (``layout`` says what is where): copy it, never write it."""
         return self._state
+
+    def restart_extrema(self) -> None:
+        """Start a new interval for the histogram's min and max (the exporter calls it right after each copy).
+
+        Min and max cannot be differenced like counts and sums, so the exporter restarts them, in stream
+        order after its device-to-host copy: each exported interval then carries its own exact extrema.
+        """
+        self._hist_min.fill_(math.inf)
+        self._hist_max.fill_(-math.inf)
 
     def observe(
         self,
