@@ -36,6 +36,7 @@ class PanelQuery:
     ref_id: str
     sql: str
     columns: tuple[str, ...]
+    labels: tuple[str, ...] = ()  # time series: the columns after ``time`` that name a series
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def _timeseries(
         f"GROUP BY {TIME}{group_by}\n"
         f"ORDER BY {TIME}{group_by}"
     )
-    return PanelQuery(ref_id, sql, (TIME, *labels, *values))
+    return PanelQuery(ref_id, sql, (TIME, *labels, *values), labels)
 
 
 def _coverage_query(labels: tuple[str, ...]) -> PanelQuery:
@@ -476,6 +477,7 @@ PANELS: tuple[PanelSpec, ...] = (
                 f"GROUP BY {TIME}, instance\n"
                 f"ORDER BY {TIME}, instance",
                 (TIME, "instance", "export_lag_s"),
+                ("instance",),
             ),
         ),
         unit="s",
