@@ -140,6 +140,7 @@ class StreamStats:
     flushes_started: int = 0
     flushes_skipped: int = 0  # a flush was due but both host buffers were still busy
     batches_built: int = 0
+    points_built: int = 0
     batches_exported: int = 0
     export_failures: int = 0
     points_exported: int = 0
@@ -324,6 +325,8 @@ class TelemetryStream:
                 continue
             self._export_buffered(ignore_backoff=stopping)
             if stopping:
+                self._report_late_drops()
+                self._export_buffered(ignore_backoff=True)
                 self._shutdown_sdk()
                 return
 
@@ -368,10 +371,21 @@ class TelemetryStream:
         metrics.append(self._histogram_metric(snapshot, previous, wall_ns))
         metrics.append(self._raw_sample_metric(snapshot, wall_ns))
         self._previous, self._previous_ns = snapshot, wall_ns
+        return self._batch(metrics, dropped_reported)
+
+    def _batch(self, metrics: list[Metric], dropped_reported: int) -> _Batch:
         data = MetricsData([ResourceMetrics(self._resource, [ScopeMetrics(self._scope, metrics, "")], "")])
-        self.stats.batches_built += 1
         points = sum(len(metric.data.data_points) for metric in metrics)
+        self.stats.batches_built += 1
+        self.stats.points_built += points
         return _Batch(data, points, dropped_reported)
+
+    def _report_late_drops(self) -> None:
+        """At shutdown, drops that happened after the last batch was built still get a batch of their own."""
+        while self._dropped_unreported:
+            dropped, self._dropped_unreported = self._dropped_unreported, 0
+            self._dropped_counter.add(dropped)
+            self._enqueue(self._batch(self._reader.take(), dropped))
 
     def _histogram_metric(self, snapshot: AggregatorSnapshot, previous: AggregatorSnapshot, wall_ns: int) -> Metric:
         counts = snapshot.histogram_counts - previous.histogram_counts
