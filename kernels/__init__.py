@@ -1,5 +1,26 @@
-"""Computes: the reference mathematics (``witcert.kernels.reference``) and the Triton kernels."""
+"""Computes: the reference mathematics (``witcert.kernels.reference``) and the Triton kernels.
+
+Public entry points: ``KVPool`` (the dithered int8 cache and its write kernel), ``decode_attention``
+and ``extend_attention`` (paged attention with the certificate fused in), ``decode_attention_fp16``
+(the unquantized baseline), ``select_path`` (which implementation runs on a device).
+"""
 
 from witcert.kernels import reference
+from witcert.kernels.attention import (
+    AttentionOutput,
+    decode_attention,
+    decode_attention_fp16,
+    extend_attention,
+)
+from witcert.kernels.backend import select_path
+from witcert.kernels.pool import KVPool
 
-__all__ = ["reference"]
+__all__ = [
+    "AttentionOutput",
+    "KVPool",
+    "decode_attention",
+    "decode_attention_fp16",
+    "extend_attention",
+    "reference",
+    "select_path",
+]

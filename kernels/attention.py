@@ -1,0 +1,480 @@
+"""Paged decode and extend attention over a ``KVPool``, with the certificate (docs/THEORY.md section 3).
+
+Entry points: ``decode_attention`` (one query token per sequence, SGLang-style ``kv_indptr`` /
+``kv_indices`` paging), ``extend_attention`` (several new query tokens per sequence over a quantized
+prefix, causal), and ``decode_attention_fp16`` (the same split-KV structure over an fp16 cache: the
+benchmark's baseline).
+
+Validation: shape, dtype and device checks are always made (they read no tensor values). Checks
+of values (slot range, ``kv_indptr`` monotone and within ``kv_indices``) synchronise with the device,
+so ``validate=None`` makes them on CPU only; on the GPU the kernel itself refuses a malformed row
+(out-of-range slot, negative length, indices past the end): it reads nothing there and writes NaN
+into that row's ``out``, ``lse`` and ``certificate``, which the telemetry counts as a kernel fault.
+Nothing is ever read out of bounds. Pass ``validate=True`` to get a ``ValueError`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from witcert.kernels import reference
+from witcert.kernels.backend import Path, kernels_module, select_path
+from witcert.kernels.pool import KVPool
+
+_BLOCK_N = 64
+_MAX_SPLITS = 64
+_sm_count: dict[int, int] = {}
+
+
+@dataclass
+class AttentionOutput:
+    """``out`` ``[R, H_q, D]``, ``lse`` ``[R, H_q]``; with the certificate, its value and accumulators ``[R, H_q]``.
+
+    ``R`` is the batch for decode and the number of query tokens for extend. ``a1_rest``, ``b_rest``,
+    ``p_max``, ``u_max`` are ``reference.CertificateAccumulators``'s fields, merged over the splits.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    certificate: torch.Tensor | None
+    a1_rest: torch.Tensor | None
+    b_rest: torch.Tensor | None
+    p_max: torch.Tensor | None
+    u_max: torch.Tensor | None
+    path: Path
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_num_kv_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per row so that about two programs per SM are in flight; fixed by shapes alone (graph-safe)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_count:
+        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    wanted = math.ceil(2 * _sm_count[index] / max(1, rows * kv_heads))
+    return max(1, min(_MAX_SPLITS, _pow2(wanted)))
+
+
+def _check_index_tensor(name: str, x: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or x.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int32/int64 tensor")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device}")
+
+
+def _check_common(q: torch.Tensor, pool: KVPool, layer: int, delta_step: float, certificate: bool) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a [rows, H_q, D] tensor, got {getattr(q, 'shape', type(q))}")
+    if q.dtype != pool.dtype:
+        raise TypeError(f"q must have the pool's dtype {pool.dtype}, got {q.dtype}")
+    if q.device != pool.device:
+        raise ValueError(f"q is on {q.device}, the pool on {pool.device}")
+    if q.shape[2] != pool.head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} does not match the pool's {pool.head_dim}")
+    if q.shape[1] % pool.kv_heads:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({pool.kv_heads})")
+    pool._check_layer(layer)
+    if certificate and not 0.0 < float(delta_step) < 1.0:
+        raise ValueError(f"delta_step must be in (0, 1), got {delta_step}")
+
+
+def _check_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, pool: KVPool) -> None:
+    """The checks that read tensor values (a device synchronisation on the GPU)."""
+    if kv_indptr.numel() and int(kv_indptr[0]) < 0:
+        raise ValueError("kv_indptr[0] must be >= 0")
+    if bool((kv_indptr[1:] < kv_indptr[:-1]).any()):
+        raise ValueError("kv_indptr must be non-decreasing")
+    if kv_indptr.numel() and int(kv_indptr[-1]) > kv_indices.numel():
+        raise ValueError(f"kv_indptr[-1] = {int(kv_indptr[-1])} exceeds len(kv_indices) = {kv_indices.numel()}")
+    if kv_indices.numel() and (int(kv_indices.min()) < 0 or int(kv_indices.max()) >= pool.num_slots):
+        raise ValueError(f"kv_indices must be slots in [0, {pool.num_slots})")
+
+
+def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(rows, heads, head_dim, dtype=torch.float32, device=device)
+    if out.shape != (rows, heads, head_dim) or out.device != device or not out.is_floating_point():
+        raise ValueError(f"out must be a floating [{rows}, {heads}, {head_dim}] tensor on {device}")
+    if out.stride(2) != 1:
+        raise ValueError("out must be contiguous in its last dimension")
+    return out
+
+
+def _run_triton(
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    kv_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    delta_step: float,
+    num_kv_splits: int,
+    out: torch.Tensor,
+    certificate: bool,
+) -> AttentionOutput:
+    kernels = kernels_module()
+    rows, num_q_heads, head_dim = q.shape
+    kv_group = num_q_heads // pool.kv_heads
+    # A dot needs 16 rows: (head, group) rows are BLOCK_H * NG, so pad the head block up to that.
+    block_h = max(_pow2(kv_group), _pow2(max(1, 16 // pool.num_groups)))
+    head_blocks = pool.kv_heads * -(-kv_group // block_h)
+    device = q.device
+    part_out = torch.empty(rows, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device)
+    part = torch.empty(5 if certificate else 1, rows, num_q_heads, num_kv_splits, dtype=torch.float32, device=device)
+    part_lse = part[0]
+    part_max, part_a1, part_b, part_u = (part[1], part[2], part[3], part[4]) if certificate else (part_lse,) * 4
+    lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
+    stats = torch.empty(5 if certificate else 1, rows, num_q_heads, dtype=torch.float32, device=device)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    outliers = pool.num_outliers > 0
+    kernels._decode_stage1[(rows, head_blocks, num_kv_splits)](
+        q,
+        pool.codes[layer, 0],
+        pool.scales[layer, 0],
+        pool.outlier_values[layer, 0],
+        pool.codes[layer, 1],
+        pool.scales[layer, 1],
+        pool.outlier_values[layer, 1],
+        pool.outlier_index[layer],
+        pool._outlier_channels_i32[layer],
+        kv_start,
+        kv_len,
+        kv_indices,
+        part_out,
+        part_lse,
+        part_max,
+        part_a1,
+        part_b,
+        part_u,
+        pool.num_slots,
+        kv_indices.numel(),
+        q.stride(0),
+        q.stride(1),
+        sm_scale,
+        math.log(2.0 / delta_step) if certificate else 0.0,
+        reference.fp_slack(pool.dither_bits),
+        pool.seed,
+        layer,
+        NUM_KV_HEADS=pool.kv_heads,
+        KV_GROUP=kv_group,
+        BLOCK_H=block_h,
+        BLOCK_N=_BLOCK_N,
+        HEAD_DIM=head_dim,
+        GROUP_SIZE=pool.group_size,
+        DITHER_BITS=pool.dither_bits,
+        V_DITHER=pool.v_dither,
+        HAS_OUTLIERS=outliers,
+        OUTLIERS_PAD=max(2, _pow2(pool.num_outliers)),
+        NUM_OUTLIERS=max(1, pool.num_outliers),
+        CERTIFICATE=certificate,
+        NUM_SPLITS=num_kv_splits,
+        INTERPRETED=device.type != "cuda",
+    )
+    certificate_outputs = tuple(stats[i] for i in range(5)) if certificate else (stats[0],) * 5
+    kernels._decode_stage2[(rows, num_q_heads)](
+        part_out,
+        part_lse,
+        part_max,
+        part_a1,
+        part_b,
+        part_u,
+        out,
+        lse,
+        *certificate_outputs,
+        out.stride(0),
+        out.stride(1),
+        reference.CERTIFICATE_EVAL_SLACK,
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_kv_splits,
+        SPLITS_PAD=max(2, _pow2(num_kv_splits)),
+        CERTIFICATE=certificate,
+    )
+    path: Path = "triton-gpu" if device.type == "cuda" else "triton-interpreter"
+    if not certificate:
+        return AttentionOutput(out, lse, None, None, None, None, None, path)
+    return AttentionOutput(out, lse, *certificate_outputs, path)
+
+
+def _run_reference(
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    kv_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    delta_step: float,
+    out: torch.Tensor,
+    certificate: bool,
+) -> AttentionOutput:
+    rows, num_q_heads, _ = q.shape
+    device = q.device
+    lse = torch.full((rows, num_q_heads), -math.inf, dtype=torch.float32, device=device)
+    stats = torch.zeros(5, rows, num_q_heads, dtype=torch.float32, device=device)
+    out.zero_()
+    for row in range(rows):
+        start, length = int(kv_start[row]), int(kv_len[row])
+        if length == 0:
+            continue
+        slots = kv_indices[start : start + length]
+        result = reference.decode_attention(
+            q[row].float(),
+            pool.quantized(layer, slots, "k"),
+            pool.quantized(layer, slots, "v"),
+            sm_scale=sm_scale,
+            # Without a certificate the radius is unused; any valid delta serves.
+            delta_step=delta_step if certificate else 0.5,
+        )
+        out[row] = result.out.to(out.dtype)
+        lse[row] = result.lse
+        acc = result.accumulators
+        stats[:, row] = torch.stack((result.certificate, acc.a1_rest, acc.b_rest, acc.p_max, acc.u_max))
+    if not certificate:
+        return AttentionOutput(out, lse, None, None, None, None, None, "reference")
+    return AttentionOutput(out, lse, stats[0], stats[1], stats[2], stats[3], stats[4], "reference")
+
+
+def _dispatch(
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    kv_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    sm_scale: float | None,
+    delta_step: float,
+    num_kv_splits: int | None,
+    out: torch.Tensor | None,
+    certificate: bool,
+) -> AttentionOutput:
+    rows, num_q_heads, head_dim = q.shape
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    out = _prepare_out(out, rows, num_q_heads, head_dim, q.device)
+    path = select_path(q.device)
+    if path == "reference" or pool.dither_bits != 8:
+        return _run_reference(
+            q,
+            pool,
+            layer,
+            kv_start,
+            kv_len,
+            kv_indices,
+            sm_scale=sm_scale,
+            delta_step=delta_step,
+            out=out,
+            certificate=certificate,
+        )
+    splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows, pool.kv_heads, q.device)
+    if not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {_MAX_SPLITS}], got {splits}")
+    return _run_triton(
+        q,
+        pool,
+        layer,
+        kv_start,
+        kv_len,
+        kv_indices,
+        sm_scale=sm_scale,
+        delta_step=delta_step,
+        num_kv_splits=splits,
+        out=out,
+        certificate=certificate,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    delta_step: float,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    certificate: bool = True,
+    validate: bool | None = None,
+) -> AttentionOutput:
+    """One decode step: ``q`` ``[B, H_q, D]`` attends to the slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+
+    GQA when ``H_q > H_kv`` (query head ``i`` reads KV head ``i // (H_q / H_kv)``). ``out`` defaults to
+    a new float32 tensor; pass a preallocated one (any float dtype) for CUDA graphs. The number of
+    splits is fixed by shapes, never by sequence lengths, so a captured graph replays for any lengths.
+    An empty sequence yields ``out = 0``, ``lse = -inf`` and certificate 0. Only 8-bit dithers have a
+    Triton path; other widths run the reference.
+    """
+    _check_common(q, pool, layer, delta_step, certificate)
+    _check_index_tensor("kv_indptr", kv_indptr, q.device)
+    _check_index_tensor("kv_indices", kv_indices, q.device)
+    if kv_indptr.numel() != q.shape[0] + 1:
+        raise ValueError(f"kv_indptr must have B + 1 = {q.shape[0] + 1} entries, got {kv_indptr.numel()}")
+    if validate if validate is not None else q.device.type != "cuda":
+        _check_values(kv_indptr, kv_indices, pool)
+    kv_start = kv_indptr[:-1]
+    kv_len = kv_indptr[1:] - kv_start
+    return _dispatch(
+        q,
+        pool,
+        layer,
+        kv_start,
+        kv_len,
+        kv_indices,
+        sm_scale=sm_scale,
+        delta_step=delta_step,
+        num_kv_splits=num_kv_splits,
+        out=out,
+        certificate=certificate,
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    delta_step: float,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    certificate: bool = True,
+    validate: bool | None = None,
+) -> AttentionOutput:
+    """Causal attention of new tokens over a quantized prefix plus themselves, with a certificate per token.
+
+    ``q`` ``[T, H_q, D]`` holds the new tokens of every sequence, sequence ``b`` owning rows
+    ``qo_indptr[b]:qo_indptr[b+1]``. Their K/V must already be written to the pool:
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` lists sequence ``b``'s slots, prefix first, new tokens
+    last. New token ``i`` of a sequence with ``n`` new and ``S`` total tokens sees the first
+    ``S - n + i + 1`` slots. Each query token is one row of the decode kernels (its own length, its
+    own tail multiplier), so it reads its prefix in full: simple and exact, not a tiled prefill.
+    """
+    _check_common(q, pool, layer, delta_step, certificate)
+    for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        _check_index_tensor(name, x, q.device)
+    if qo_indptr.numel() != kv_indptr.numel() or qo_indptr.numel() < 1:
+        raise ValueError("qo_indptr and kv_indptr must both have B + 1 entries")
+    if validate if validate is not None else q.device.type != "cuda":
+        _check_values(kv_indptr, kv_indices, pool)
+        if int(qo_indptr[0]) != 0 or bool((qo_indptr[1:] < qo_indptr[:-1]).any()):
+            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+        if int(qo_indptr[-1]) != q.shape[0]:
+            raise ValueError(f"qo_indptr[-1] = {int(qo_indptr[-1])} must equal the number of query rows {q.shape[0]}")
+        if bool(((kv_indptr[1:] - kv_indptr[:-1]) < (qo_indptr[1:] - qo_indptr[:-1])).any()):
+            raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
+    token = torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
+    sequence = torch.searchsorted(qo_indptr.to(torch.int64)[1:], token, right=True)
+    qo = qo_indptr.to(torch.int64)
+    kv = kv_indptr.to(torch.int64)
+    new_tokens = qo[sequence + 1] - qo[sequence]
+    position = token - qo[sequence]
+    kv_start = kv[sequence]
+    # A malformed row gets a negative length, which the kernel refuses (NaN) rather than reads.
+    kv_len = (kv[sequence + 1] - kv_start) - new_tokens + position + 1
+    return _dispatch(
+        q,
+        pool,
+        layer,
+        kv_start,
+        kv_len,
+        kv_indices,
+        sm_scale=sm_scale,
+        delta_step=delta_step,
+        num_kv_splits=num_kv_splits,
+        out=out,
+        certificate=certificate,
+    )
+
+
+def decode_attention_fp16(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Baseline: the same split-KV decode over an unquantized paged cache ``[slots, H_kv, D]``. Returns ``(out, lse)``.
+
+    Triton only (GPU or interpreter): it exists to be measured against.
+    """
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError("q must be [B, H_q, D] and k_cache, v_cache the same [slots, H_kv, D]")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError("q, k_cache and v_cache must share one dtype, float16 or bfloat16")
+    _check_index_tensor("kv_indptr", kv_indptr, q.device)
+    _check_index_tensor("kv_indices", kv_indices, q.device)
+    if select_path(q.device) == "reference":
+        raise RuntimeError("decode_attention_fp16 is a Triton benchmark baseline: it needs a GPU or TRITON_INTERPRET=1")
+    rows, num_q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    kv_group = num_q_heads // kv_heads
+    block_h = max(16, _pow2(kv_group))
+    splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows, kv_heads, q.device)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    out = _prepare_out(out, rows, num_q_heads, head_dim, q.device)
+    part_out = torch.empty(rows, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(rows, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=q.device)
+    kernels = kernels_module()
+    kernels._decode_stage1_fp16[(rows, kv_heads * -(-kv_group // block_h), splits)](
+        q,
+        k_cache,
+        v_cache,
+        kv_indptr[:-1],
+        kv_indptr[1:] - kv_indptr[:-1],
+        kv_indices,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        sm_scale,
+        NUM_KV_HEADS=kv_heads,
+        KV_GROUP=kv_group,
+        BLOCK_H=block_h,
+        BLOCK_N=_BLOCK_N,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=splits,
+    )
+    kernels._decode_stage2[(rows, num_q_heads)](
+        part_out,
+        part_lse,
+        part_lse,
+        part_lse,
+        part_lse,
+        part_lse,
+        out,
+        lse,
+        lse,
+        lse,
+        lse,
+        lse,
+        lse,
+        out.stride(0),
+        out.stride(1),
+        1.0,
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, _pow2(splits)),
+        CERTIFICATE=False,
+    )
+    return out, lse

@@ -1,0 +1,236 @@
+"""The quantized KV pool: int8 codes, fp16 group scales and exact outlier values, per layer and side.
+
+Layout (one tensor each, indexed ``[layer, side, slot, kv_head, ...]``, side 0 = K, 1 = V): a token's
+codes for one head are ``head_dim`` contiguous bytes, so a decode tile of tokens reads whole 128-byte
+rows. The dither is never stored: it is regenerated from ``(seed, layer, slot, kv_head, side)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from witcert.kernels import reference
+from witcert.kernels.backend import kernels_module, select_path
+
+SIDES: tuple[reference.Kind, reference.Kind] = ("k", "v")
+_WRITE_BLOCK_TOKENS = 32
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class KVPool:
+    """A paged, dither-quantized KV cache for ``num_layers`` layers and ``num_slots`` token slots.
+
+    ``outlier_channels``: ``None``, ``[2m]`` (every layer and head), ``[H_kv, 2m]`` (every layer) or
+    ``[L, H_kv, 2m]``; those channels are stored exactly in ``dtype``. ``v_dither=False`` rounds V to
+    nearest: the TV certificate needs dither on K only, and the read path then regenerates half as
+    much. ``page_size`` is the allocation granule of the engine using the pool (slots of one page are
+    contiguous); the kernels address tokens by slot, so any page size works.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        group_size: int = 32,
+        outlier_channels: torch.Tensor | None = None,
+        seed: int = 0,
+        dither_bits: int = 8,
+        v_dither: bool = True,
+        page_size: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
+        if min(num_slots, num_layers, kv_heads, head_dim, page_size) <= 0:
+            raise ValueError("num_slots, num_layers, kv_heads, head_dim and page_size must be positive")
+        if num_slots % page_size:
+            raise ValueError(f"num_slots {num_slots} must be a multiple of page_size {page_size}")
+        if group_size <= 0 or head_dim % group_size:
+            raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the model's KV dtype), got {dtype}")
+        per_call = reference.channels_per_philox_call(dither_bits)  # validates dither_bits
+        if group_size % per_call:
+            raise ValueError(f"group_size {group_size} must be a multiple of {per_call} for {dither_bits}-bit dither")
+        reference.seed_key(seed)  # validates the seed
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.num_slots, self.num_layers, self.kv_heads, self.head_dim = num_slots, num_layers, kv_heads, head_dim
+        self.group_size, self.seed, self.dither_bits = group_size, seed, dither_bits
+        self.v_dither, self.page_size, self.dtype = v_dither, page_size, dtype
+        self.num_groups = head_dim // group_size
+
+        channels = self._layer_outlier_channels(outlier_channels)
+        self.outlier_channels = channels  # int64 [L, H_kv, 2m]
+        self.num_outliers = channels.shape[-1]
+        # Per channel: its index among the head's outliers, or -1 (what the kernels test).
+        index = torch.full((num_layers, kv_heads, head_dim), -1, dtype=torch.int32, device=self.device)
+        if self.num_outliers:
+            order = torch.arange(self.num_outliers, dtype=torch.int32, device=self.device)
+            index.scatter_(-1, channels, order.expand_as(channels).contiguous())
+        self.outlier_index = index
+        self._outlier_channels_i32 = channels.to(torch.int32).contiguous()
+
+        shape = (num_layers, 2, num_slots, kv_heads)
+        self.codes = torch.zeros(*shape, head_dim, dtype=torch.int8, device=self.device)
+        self.scales = torch.zeros(*shape, self.num_groups, dtype=torch.float16, device=self.device)
+        self.outlier_values = torch.zeros(*shape, self.num_outliers, dtype=dtype, device=self.device)
+
+    def _layer_outlier_channels(self, outlier_channels: torch.Tensor | None) -> torch.Tensor:
+        if outlier_channels is None:
+            return torch.empty(self.num_layers, self.kv_heads, 0, dtype=torch.int64, device=self.device)
+        channels = torch.as_tensor(outlier_channels, device=self.device)
+        if channels.dim() == 3:
+            if channels.shape[0] != self.num_layers:
+                raise ValueError(f"outlier_channels [L, H_kv, 2m] must have L = {self.num_layers}")
+            per_layer = [
+                reference._check_outlier_channels(c, self.kv_heads, self.head_dim, self.device) for c in channels
+            ]
+            return torch.stack(per_layer).contiguous()
+        checked = reference._check_outlier_channels(channels, self.kv_heads, self.head_dim, self.device)
+        return checked.expand(self.num_layers, -1, -1).contiguous()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes per token over all layers, both sides and all heads: ``D + 2 D/G + 2m * elem``."""
+        per_head = (
+            self.head_dim
+            + self.num_groups * self.scales.element_size()
+            + self.num_outliers * self.outlier_values.element_size()
+        )
+        return self.num_layers * 2 * self.kv_heads * per_head
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_slots // self.page_size
+
+    def dithered(self, kind: reference.Kind) -> bool:
+        return kind == "k" or self.v_dither
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= int(layer) < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+
+    def _check_slots(self, slots: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        slots = torch.as_tensor(slots, device=self.device)
+        if slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
+            raise TypeError(f"slots must be a 1-D int32/int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
+        if count is not None and slots.shape[0] != count:
+            raise ValueError(f"slots has {slots.shape[0]} entries for {count} tokens")
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            raise ValueError(f"slots must lie in [0, {self.num_slots})")
+        return slots
+
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, validate: bool = True
+    ) -> None:
+        """Quantize ``k`` and ``v`` ``[N, H_kv, D]`` into ``slots`` ``[N]`` of ``layer``.
+
+        Bit-identical to ``reference.quantize``. ``slots`` must be distinct. ``validate=False`` skips
+        the checks that read tensor values (slot range, finiteness): they synchronise with the device.
+        """
+        self._check_layer(layer)
+        for name, x in (("k", k), ("v", v)):
+            if x.dim() != 3 or tuple(x.shape[1:]) != (self.kv_heads, self.head_dim):
+                raise ValueError(f"{name} must be [N, {self.kv_heads}, {self.head_dim}], got shape {tuple(x.shape)}")
+            if x.dtype != self.dtype:
+                raise TypeError(f"{name} must be {self.dtype} (the pool's dtype), got {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"{name} is on {x.device}, the pool on {self.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        if validate:
+            slots = self._check_slots(slots, k.shape[0])
+            for name, x in (("k", k), ("v", v)):
+                if not bool(torch.isfinite(x).all()):
+                    raise ValueError(f"{name} contains NaN or inf: a quantized cache cannot represent it")
+                if float(x.abs().max()) / reference.SCALE_DIVISOR > torch.finfo(torch.float16).max:
+                    raise ValueError(f"|{name}| exceeds what an fp16 group scale can cover (max about 8.28e6)")
+        else:
+            slots = torch.as_tensor(slots, device=self.device)
+        if k.shape[0] == 0:
+            return
+        if select_path(self.device) == "reference":
+            self._write_reference(layer, slots, k, v)
+            return
+        kernels = kernels_module()
+        for side, (kind, x) in enumerate(zip(SIDES, (k, v), strict=True)):
+            x = x.contiguous()
+            grid = (triton_cdiv(x.shape[0], _WRITE_BLOCK_TOKENS), self.kv_heads)
+            kernels._write_kernel[grid](
+                x,
+                slots,
+                self.codes[layer, side],
+                self.scales[layer, side],
+                self.outlier_values[layer, side],
+                self.outlier_index[layer],
+                self._outlier_channels_i32[layer],
+                x.shape[0],
+                x.stride(0),
+                x.stride(1),
+                self.seed,
+                layer,
+                side,
+                NUM_KV_HEADS=self.kv_heads,
+                HEAD_DIM=self.head_dim,
+                GROUP_SIZE=self.group_size,
+                DITHER_BITS=self.dither_bits,
+                DITHER=self.dithered(kind),
+                HAS_OUTLIERS=self.num_outliers > 0,
+                OUTLIERS_PAD=max(2, _pow2(self.num_outliers)),
+                NUM_OUTLIERS=max(1, self.num_outliers),
+                BLOCK_T=_WRITE_BLOCK_TOKENS,
+            )
+
+    def _write_reference(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = slots.to(torch.int64)
+        for side, (kind, x) in enumerate(zip(SIDES, (k, v), strict=True)):
+            quantized = reference.quantize(
+                x,
+                seed=self.seed,
+                layer=layer,
+                slots=slots,
+                kind=kind,
+                group_size=self.group_size,
+                outlier_channels=self.outlier_channels[layer],
+                dither_bits=self.dither_bits,
+                dither=self.dithered(kind),
+            )
+            self.codes[layer, side, slots] = quantized.codes
+            self.scales[layer, side, slots] = quantized.scales
+            self.outlier_values[layer, side, slots] = quantized.outlier_values.to(self.dtype)
+
+    def quantized(self, layer: int, slots: torch.Tensor, kind: reference.Kind) -> reference.QuantizedKV:
+        """The stored tokens of ``slots`` as a ``reference.QuantizedKV``: the oracle's view of the pool."""
+        self._check_layer(layer)
+        if kind not in SIDES:
+            raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+        slots = self._check_slots(slots).to(torch.int64)
+        side = SIDES.index(kind)
+        return reference.QuantizedKV(
+            codes=self.codes[layer, side, slots],
+            scales=self.scales[layer, side, slots],
+            outlier_values=self.outlier_values[layer, side, slots],
+            outlier_channels=self.outlier_channels[layer],
+            slots=slots,
+            seed=self.seed,
+            layer=int(layer),
+            kind=kind,
+            group_size=self.group_size,
+            dither_bits=self.dither_bits,
+            dithered=self.dithered(kind),
+        )
+
+    def dequantize(
+        self, layer: int, slots: torch.Tensor, kind: reference.Kind, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``x_hat`` ``[N, H_kv, D]`` of the stored tokens (reference arithmetic; for tests and repair)."""
+        return self.quantized(layer, slots, kind).dequantize(dtype)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

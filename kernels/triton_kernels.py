@@ -1,0 +1,580 @@
+"""Triton kernels: the dithered write, split-KV decode with the certificate fused in, and the fp16 baseline.
+
+Imported lazily by ``witcert.kernels.attention`` and ``witcert.kernels.pool``: ``triton.jit`` decides
+at decoration time whether it compiles or interprets (``TRITON_INTERPRET=1``), so this module must
+be imported only once the caller has settled that.
+
+Exactness (docs/KERNELS.md): every dot product runs on operands that are exact in the 16-bit input
+type, with fp32 accumulation, so the kernel reproduces the float32 reference to rounding order:
+
+* ``q . k_hat = s * (q . code + q . (-xi))``: ``code`` in [-127, 127] and ``-xi = (255 - 2j) / 512``
+  (8-bit dithers) are both exact in fp16 and bf16; ``q`` is the model's fp16/bf16 query.
+* ``sum_t p_t s_t v_t``: the fp32 weight ``p_t s_t`` is split into three bf16 terms (24 bits), each
+  dotted with exact bf16 operands.
+
+Group scales are applied per (head, group) row: the query is laid out as ``[BLOCK_H * NG, D]`` with
+group ``g`` of head ``h`` in row ``h * NG + g`` and zeros elsewhere, so one dot yields every group's
+partial logit and a weighted sum over groups finishes the logit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: adding and subtracting it rounds a float32 |y| < 2**22 to the nearest integer, ties to
+# even, which is exactly torch.round.
+_ROUND_MAGIC = 12582912.0
+_FP32_INF = float("inf")
+
+
+@triton.jit
+def _dither_fields(
+    seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr, DITHER_BITS: tl.constexpr
+):
+    """Integer dither fields ``[N, NCALLS * 16 / (DITHER_BITS / 8)]`` for ``N`` slots, from call ``call0`` on.
+
+    Same addressing as ``reference.channel_address``: call ``c // C``, word ``(c % C) // F``, field
+    ``(c % C) % F`` counted from the word's most significant bits.
+    """
+    n: tl.constexpr = N
+    c0 = tl.broadcast_to(slots.to(tl.uint32)[:, None], (n, NCALLS))
+    c1 = tl.broadcast_to((call0 + tl.arange(0, NCALLS)).to(tl.uint32)[None, :], (n, NCALLS))
+    c2 = tl.full((n, NCALLS), 0, tl.uint32) + tl.to_tensor(layer).to(tl.uint32)
+    c3 = tl.full((n, NCALLS), 0, tl.uint32) + tl.to_tensor(head_word).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    # join(join(w0, w2), join(w1, w3))[..., x, y] = w_{2x + y}: the flattened order is call * 4 + word.
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (n, NCALLS * 4))
+    if DITHER_BITS == 8:
+        f0 = words >> 24
+        f1 = (words >> 16) & 0xFF
+        f2 = (words >> 8) & 0xFF
+        f3 = words & 0xFF
+        fields = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (n, NCALLS * 16))
+    elif DITHER_BITS == 16:
+        fields = tl.reshape(tl.join(words >> 16, words & 0xFFFF), (n, NCALLS * 8))
+    else:
+        fields = words >> 8
+    return fields.to(tl.int32)
+
+
+@triton.jit
+def _expm1_and_g(u):
+    """``(expm1(u), expm1(u) - u)`` for ``u >= 0`` without cancellation.
+
+    Below 1 the Taylor series of ``g`` (terms to ``u**12 / 12!``, truncation < 2e-10 relative) is a
+    sum of positive terms and ``expm1 = g + u``; from 1 on, ``exp(u) - 1`` loses nothing.
+    """
+    series = u * (1.0 / 479001600.0)
+    series = (series + 1.0 / 39916800.0) * u
+    series = (series + 1.0 / 3628800.0) * u
+    series = (series + 1.0 / 362880.0) * u
+    series = (series + 1.0 / 40320.0) * u
+    series = (series + 1.0 / 5040.0) * u
+    series = (series + 1.0 / 720.0) * u
+    series = (series + 1.0 / 120.0) * u
+    series = (series + 1.0 / 24.0) * u
+    series = (series + 1.0 / 6.0) * u
+    series = (series + 0.5) * u * u
+    small = u < 1.0
+    big_expm1 = tl.exp(tl.where(small, 0.0, u)) - 1.0
+    expm1 = tl.where(small, series + u, big_expm1)
+    # At u = +inf, inf - inf would be NaN; g is +inf there.
+    g = tl.where(small, series, tl.where(u == _FP32_INF, _FP32_INF, big_expm1 - u))
+    return expm1, g
+
+
+@triton.jit
+def _mul_nonneg(a, b):
+    """Product of non-negative bounds; an infinite factor gives +inf, never NaN (as the reference)."""
+    return tl.where((a == _FP32_INF) | (b == _FP32_INF), _FP32_INF, a * b)
+
+
+@triton.jit
+def _write_kernel(
+    X,
+    Slots,
+    Codes,
+    Scales,
+    OutlierValues,
+    OutlierIndex,
+    OutlierChannels,
+    num_tokens,
+    stride_xn,
+    stride_xh,
+    seed,
+    layer,
+    kind_bit,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DITHER_BITS: tl.constexpr,
+    DITHER: tl.constexpr,
+    HAS_OUTLIERS: tl.constexpr,
+    OUTLIERS_PAD: tl.constexpr,
+    NUM_OUTLIERS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Quantize ``BLOCK_T`` tokens of one KV head into their slots, bit-identical to ``reference.quantize``."""
+    pid_t = tl.program_id(0)
+    head = tl.program_id(1)
+    num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
+    tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < num_tokens
+    slots = tl.load(Slots + tokens, mask=token_ok, other=0).to(tl.int64)
+    channels = tl.arange(0, HEAD_DIM)
+    x = tl.load(
+        X + tokens[:, None].to(tl.int64) * stride_xn + head * stride_xh + channels[None, :],
+        mask=token_ok[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    magnitude = tl.abs(x)
+    if HAS_OUTLIERS:
+        is_outlier = tl.load(OutlierIndex + head * HEAD_DIM + channels) >= 0
+        magnitude = tl.where(is_outlier[None, :], 0.0, magnitude)
+    amax = tl.max(tl.reshape(magnitude, (BLOCK_T, num_groups, GROUP_SIZE)), axis=2)
+    # The smallest fp16 s with s * 126.5 >= amax: round, then step up while too small (s * 126.5 is exact).
+    scale = tl.math.div_rn(amax, 126.5).to(tl.float16)
+    for _ in tl.static_range(2):
+        too_small = scale.to(tl.float32) * 126.5 < amax
+        bumped = (scale.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+        scale = tl.where(too_small, bumped, scale)
+    scale32 = scale.to(tl.float32)
+    channel_scale = tl.reshape(
+        tl.broadcast_to(scale32[:, :, None], (BLOCK_T, num_groups, GROUP_SIZE)), (BLOCK_T, HEAD_DIM)
+    )
+    positive = channel_scale > 0
+    scaled = tl.where(positive, tl.math.div_rn(x, tl.where(positive, channel_scale, 1.0)), 0.0)
+    if DITHER:
+        per_call: tl.constexpr = 128 // DITHER_BITS
+        fields = _dither_fields(
+            seed,
+            slots,
+            0,
+            layer,
+            head.to(tl.uint32) | (kind_bit.to(tl.uint32) << 31),
+            BLOCK_T,
+            HEAD_DIM // per_call,
+            DITHER_BITS,
+        )
+        # xi = (2j + 1 - 2**b) / 2**(b + 1): the integer is below 2**24 in magnitude, so both steps are exact.
+        xi = (2 * fields + 1 - (1 << DITHER_BITS)).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
+        scaled = scaled + xi
+    codes = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
+    if HAS_OUTLIERS:
+        codes = tl.where(is_outlier[None, :], 0.0, codes)
+    slot_base = slots[:, None] * NUM_KV_HEADS + head
+    tl.store(Codes + slot_base * HEAD_DIM + channels[None, :], codes.to(tl.int8), mask=token_ok[:, None])
+    groups = tl.arange(0, num_groups)
+    tl.store(Scales + slot_base * num_groups + groups[None, :], scale, mask=token_ok[:, None])
+    if HAS_OUTLIERS:
+        index = tl.arange(0, OUTLIERS_PAD)
+        index_ok = index < NUM_OUTLIERS
+        outlier_channel = tl.load(OutlierChannels + head * NUM_OUTLIERS + index, mask=index_ok, other=0)
+        values = tl.load(
+            X + tokens[:, None].to(tl.int64) * stride_xn + head * stride_xh + outlier_channel[None, :],
+            mask=token_ok[:, None] & index_ok[None, :],
+        )
+        tl.store(
+            OutlierValues + slot_base * NUM_OUTLIERS + index[None, :],
+            values,
+            mask=token_ok[:, None] & index_ok[None, :],
+        )
+
+
+@triton.jit
+def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
+    """``acc + a @ b`` for exact 16-bit operands, fp32 accumulation.
+
+    Triton 3.9's interpreter multiplies bf16 operands as their raw uint16 bits, so there the operands
+    are widened to fp32 first: products of 16-bit values are exact in fp32, so the result is the same.
+    """
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+    return tl.dot(a, b, acc=acc)
+
+
+@triton.jit
+def _split_bf16(w):
+    """``w = hi + mid + lo`` exactly to 24 bits, each term a bf16 (the wide exponent avoids underflow)."""
+    hi = w.to(tl.bfloat16)
+    rest = w - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _decode_stage1(
+    Q,
+    KCodes,
+    KScales,
+    KOutliers,
+    VCodes,
+    VScales,
+    VOutliers,
+    OutlierIndex,
+    OutlierChannels,
+    KvStart,
+    KvLen,
+    KvIndices,
+    PartOut,
+    PartLse,
+    PartMax,
+    PartA1,
+    PartB,
+    PartU,
+    num_slots,
+    num_kv_indices,
+    stride_qb,
+    stride_qh,
+    sm_scale,
+    log_two_over_delta,
+    beta,
+    seed,
+    layer,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DITHER_BITS: tl.constexpr,
+    V_DITHER: tl.constexpr,
+    HAS_OUTLIERS: tl.constexpr,
+    OUTLIERS_PAD: tl.constexpr,
+    NUM_OUTLIERS: tl.constexpr,
+    CERTIFICATE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One (row, head block, split): dequantize, online softmax, output and certificate accumulators."""
+    row = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    blocks_per_kv_head: tl.constexpr = (KV_GROUP + BLOCK_H - 1) // BLOCK_H
+    num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
+    rows_m: tl.constexpr = BLOCK_H * num_groups
+    kv_head = head_block // blocks_per_kv_head
+    local_heads = (head_block % blocks_per_kv_head) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = local_heads < KV_GROUP
+    heads = kv_head * KV_GROUP + local_heads
+    num_q_heads = NUM_KV_HEADS * KV_GROUP
+
+    kv_start = tl.load(KvStart + row)
+    seq_len = tl.load(KvLen + row)
+    # A malformed row (negative length, or indices past the end) is poisoned with NaN, never read.
+    row_ok = (seq_len >= 0) & (kv_start >= 0) & (kv_start + seq_len <= num_kv_indices)
+    seq_len = tl.where(row_ok, seq_len, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    channels = tl.arange(0, HEAD_DIM)
+    groups = tl.arange(0, num_groups)
+    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + channels[None, :], mask=head_ok[:, None], other=0.0)
+    in_group = (channels[None, None, :] // GROUP_SIZE) == groups[None, :, None]  # [1, NG, D]
+    q_rows = tl.reshape(tl.where(in_group, q[:, None, :], 0.0), (rows_m, HEAD_DIM))  # [H * NG, D]
+    q32 = q.to(tl.float32)
+    radius_q = q32
+    if HAS_OUTLIERS:
+        outlier_slot = tl.load(OutlierIndex + kv_head * HEAD_DIM + channels)
+        exact_channel = outlier_slot >= 0
+        radius_q = tl.where(exact_channel[None, :], 0.0, q32)
+        outlier_index = tl.arange(0, OUTLIERS_PAD)
+        outlier_ok = outlier_index < NUM_OUTLIERS
+        outlier_channel = tl.load(OutlierChannels + kv_head * NUM_OUTLIERS + outlier_index, mask=outlier_ok, other=0)
+        q_outliers = tl.load(
+            Q + row * stride_qb + heads[:, None] * stride_qh + outlier_channel[None, :],
+            mask=head_ok[:, None] & outlier_ok[None, :],
+            other=0.0,
+        )
+    # Per (head, group): ||q_g||^2 and ||q_g||_1 over the dithered channels (THEORY.md section 2).
+    q_sq = tl.sum(tl.where(in_group, (radius_q * radius_q)[:, None, :], 0.0), axis=2)  # [H, NG]
+    q_l1 = tl.sum(tl.where(in_group, tl.abs(radius_q)[:, None, :], 0.0), axis=2)
+    tail = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_two_over_delta))
+    sigma_coef = sm_scale * sm_scale / 12.0
+    bias_coef = sm_scale * beta
+
+    running_max = tl.full((BLOCK_H,), -_FP32_INF, tl.float32)
+    running_sum = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((rows_m, HEAD_DIM), tl.float32)
+    a1_rest = tl.zeros((BLOCK_H,), tl.float32)
+    b_rest = tl.zeros((BLOCK_H,), tl.float32)
+    u_max = tl.zeros((BLOCK_H,), tl.float32)
+    slots_ok = row_ok
+    if HAS_OUTLIERS:
+        acc_outliers = tl.zeros((BLOCK_H, OUTLIERS_PAD), tl.float32)
+
+    # Counter word 3 is kv_head | kind << 31; built in uint32 (1 << 31 does not fit int32).
+    head_word = kv_head.to(tl.uint32)
+    v_head_word = head_word | tl.full((), 1 << 31, tl.uint32)
+    per_call: tl.constexpr = 128 // DITHER_BITS
+    for start in range(lo, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        token_ok = offs < hi
+        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64)
+        slot_in_range = (slots >= 0) & (slots < num_slots)
+        slots_ok = slots_ok & (tl.sum((token_ok & ~slot_in_range).to(tl.int32), axis=0) == 0)
+        token_ok = token_ok & slot_in_range
+        slots = tl.where(token_ok, slots, 0)
+        base = slots * NUM_KV_HEADS + kv_head
+        k_codes = tl.load(KCodes + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0)
+        k_scales = tl.load(
+            KScales + base[:, None] * num_groups + groups[None, :], mask=token_ok[:, None], other=0.0
+        ).to(tl.float32)  # [N, NG]
+        k_fields = _dither_fields(seed, slots, 0, layer, head_word, BLOCK_N, HEAD_DIM // per_call, DITHER_BITS)
+        k_neg_xi = ((1 << DITHER_BITS) - 1 - 2 * k_fields).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
+        if HAS_OUTLIERS:
+            k_neg_xi = tl.where(exact_channel[None, :], 0.0, k_neg_xi)
+        partial = _dot16(
+            q_rows, tl.trans(k_codes.to(tl.float32).to(q.dtype)), tl.zeros((rows_m, BLOCK_N), tl.float32), INTERPRETED
+        )
+        partial = _dot16(q_rows, tl.trans(k_neg_xi.to(q.dtype)), partial, INTERPRETED)  # [H * NG, N]
+        partial = tl.reshape(partial, (BLOCK_H, num_groups, BLOCK_N))
+        logits = tl.sum(partial * tl.trans(k_scales)[None, :, :], axis=1) * sm_scale
+        if HAS_OUTLIERS:
+            k_exact = tl.load(
+                KOutliers + base[:, None] * NUM_OUTLIERS + outlier_index[None, :],
+                mask=token_ok[:, None] & outlier_ok[None, :],
+                other=0.0,
+            )
+            # fp16/bf16 products are exact in fp32; few channels, so no dot.
+            exact_part = tl.sum(q_outliers.to(tl.float32)[:, None, :] * k_exact.to(tl.float32)[None, :, :], axis=2)
+            logits += exact_part * sm_scale
+        logits = tl.where(token_ok[None, :], logits, -_FP32_INF)
+
+        tile_max = tl.max(logits, axis=1)
+        new_max = tl.maximum(running_max, tile_max)
+        alpha = tl.exp(running_max - new_max)
+        weights = tl.exp(logits - new_max[:, None])  # [H, N]
+        running_sum = running_sum * alpha + tl.sum(weights, axis=1)
+
+        if CERTIFICATE:
+            scales_t = tl.trans(k_scales)  # [NG, N]
+            sigma_sq = tl.sum(q_sq[:, :, None] * (scales_t * scales_t)[None, :, :], axis=1) * sigma_coef
+            bias = tl.sum(q_l1[:, :, None] * scales_t[None, :, :], axis=1) * bias_coef
+            radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
+            expm1_u, g_u = _expm1_and_g(radius)
+            tile_arg = tl.argmax(logits, axis=1, tie_break_left=True)
+            is_arg = tl.arange(0, BLOCK_N)[None, :] == tile_arg[:, None]
+            u_arg = tl.sum(tl.where(is_arg, radius, 0.0), axis=1)
+            expm1_arg, g_arg = _expm1_and_g(u_arg)
+            rest = (~is_arg) & token_ok[None, :]
+            tile_a1 = tl.sum(tl.where(rest, _mul_nonneg(weights, expm1_u), 0.0), axis=1)
+            tile_b = tl.sum(tl.where(rest, _mul_nonneg(weights, g_u), 0.0), axis=1)
+            weight_arg = tl.exp(tile_max - new_max)
+            expm1_old, g_old = _expm1_and_g(u_max)
+            # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
+            moved = tile_max > running_max
+            a1_rest = (
+                _mul_nonneg(a1_rest, alpha)
+                + tile_a1
+                + tl.where(moved, _mul_nonneg(alpha, expm1_old), _mul_nonneg(weight_arg, expm1_arg))
+            )
+            b_rest = (
+                _mul_nonneg(b_rest, alpha)
+                + tile_b
+                + tl.where(moved, _mul_nonneg(alpha, g_old), _mul_nonneg(weight_arg, g_arg))
+            )
+            u_max = tl.where(moved, u_arg, u_max)
+
+        # Output: sum_t p_t * s_t * v_t per (head, group) row, the fp32 weight split into exact bf16 terms.
+        v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0)
+        v_scales = tl.load(
+            VScales + base[:, None] * num_groups + groups[None, :], mask=token_ok[:, None], other=0.0
+        ).to(tl.float32)
+        row_weights = tl.reshape(weights[:, None, :] * tl.trans(v_scales)[None, :, :], (rows_m, BLOCK_N))
+        w_hi, w_mid, w_lo = _split_bf16(row_weights)
+        acc = acc * tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_H, num_groups)), (rows_m,))[:, None]
+        # int8 -> fp32 -> bf16: exact, and Triton's interpreter mis-converts int8 -> bf16 directly.
+        v_operand = v_codes.to(tl.float32).to(tl.bfloat16)
+        acc = _dot16(w_hi, v_operand, acc, INTERPRETED)
+        acc = _dot16(w_mid, v_operand, acc, INTERPRETED)
+        acc = _dot16(w_lo, v_operand, acc, INTERPRETED)
+        if V_DITHER:
+            v_fields = _dither_fields(seed, slots, 0, layer, v_head_word, BLOCK_N, HEAD_DIM // per_call, DITHER_BITS)
+            v_neg_xi = ((1 << DITHER_BITS) - 1 - 2 * v_fields).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
+            if HAS_OUTLIERS:
+                v_neg_xi = tl.where(exact_channel[None, :], 0.0, v_neg_xi)
+            xi_operand = v_neg_xi.to(tl.bfloat16)
+            acc = _dot16(w_hi, xi_operand, acc, INTERPRETED)
+            acc = _dot16(w_mid, xi_operand, acc, INTERPRETED)
+            acc = _dot16(w_lo, xi_operand, acc, INTERPRETED)
+        if HAS_OUTLIERS:
+            v_exact = tl.load(
+                VOutliers + base[:, None] * NUM_OUTLIERS + outlier_index[None, :],
+                mask=token_ok[:, None] & outlier_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc_outliers = acc_outliers * alpha[:, None] + tl.sum(weights[:, :, None] * v_exact[None, :, :], axis=1)
+        running_max = new_max
+
+    # Row (h, g) of acc holds group g's channels of head h: keep those, sum the groups away.
+    out = tl.sum(tl.where(in_group, tl.reshape(acc, (BLOCK_H, num_groups, HEAD_DIM)), 0.0), axis=1)
+    if HAS_OUTLIERS:
+        one_hot = (outlier_channel[:, None] == channels[None, :]) & outlier_ok[:, None]  # [M, D]
+        out += tl.sum(tl.where(one_hot[None, :, :], acc_outliers[:, :, None], 0.0), axis=1)
+    safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
+    poison = tl.where(slots_ok, 0.0, float("nan"))
+    part_row = (row * num_q_heads + heads) * NUM_SPLITS + split
+    tl.store(
+        PartOut + part_row[:, None] * HEAD_DIM + channels[None, :],
+        out / safe_sum[:, None] + poison,
+        mask=head_ok[:, None],
+    )
+    empty = running_sum == 0
+    tl.store(PartLse + part_row, tl.where(empty, -_FP32_INF, running_max + tl.log(safe_sum)) + poison, mask=head_ok)
+    tl.store(PartMax + part_row, running_max + poison, mask=head_ok)
+    if CERTIFICATE:
+        tl.store(PartA1 + part_row, a1_rest / safe_sum + poison, mask=head_ok)
+        tl.store(PartB + part_row, b_rest / safe_sum + poison, mask=head_ok)
+        tl.store(PartU + part_row, u_max + poison, mask=head_ok)
+
+
+@triton.jit
+def _decode_stage2(
+    PartOut,
+    PartLse,
+    PartMax,
+    PartA1,
+    PartB,
+    PartU,
+    Out,
+    Lse,
+    Certificate,
+    A1Rest,
+    BRest,
+    PMax,
+    UMax,
+    stride_ob,
+    stride_oh,
+    eval_slack,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    CERTIFICATE: tl.constexpr,
+):
+    """Merge the splits with LSE weights; evaluate the certificate like ``reference.certificate_from_accumulators``."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    part = (row * NUM_Q_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(PartLse + part, mask=split_ok, other=-_FP32_INF)
+    total = tl.max(lse, axis=0)
+    has_tokens = total > -_FP32_INF
+    safe_total = tl.where(has_tokens, total, 0.0)
+    weight = tl.where(lse > -_FP32_INF, tl.exp(lse - safe_total), 0.0)
+    weight = tl.where(lse != lse, float("nan"), weight)  # a poisoned split poisons the row
+    weight_sum = tl.sum(weight, axis=0)
+    global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -_FP32_INF)
+    global_lse = tl.where(weight_sum != weight_sum, float("nan"), global_lse)
+    norm = tl.where(has_tokens, weight / weight_sum, 0.0)
+    channels = tl.arange(0, HEAD_DIM)
+    parts = tl.load(PartOut + part[:, None] * HEAD_DIM + channels[None, :], mask=(norm > 0)[:, None], other=0.0)
+    out = tl.sum(tl.where((norm > 0)[:, None], norm[:, None] * parts, 0.0), axis=0)
+    out = out + tl.where(weight_sum == weight_sum, 0.0, float("nan"))
+    tl.store(Out + row * stride_ob + head * stride_oh + channels, out.to(Out.dtype.element_ty))
+    tl.store(Lse + row * NUM_Q_HEADS + head, global_lse)
+    if CERTIFICATE:
+        split_max = tl.load(PartMax + part, mask=split_ok, other=-_FP32_INF)
+        a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
+        b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
+        u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
+        live = split_ok & (lse > -_FP32_INF)
+        winner = tl.argmax(tl.where(live, split_max, -_FP32_INF), axis=0, tie_break_left=True)
+        is_winner = splits == winner
+        # p~ of each split's own argmax token: exp(max_s - LSE).
+        p_arg = tl.where(live, tl.exp(split_max - tl.where(has_tokens, global_lse, 0.0)), 0.0)
+        expm1_parts, g_parts = _expm1_and_g(u_parts)
+        # norm_s = exp(lse_s - LSE) turns split s's within-split normalisation into the global one.
+        a1 = tl.sum(tl.where(live, _mul_nonneg(norm, a1_parts), 0.0), axis=0)
+        a1 += tl.sum(tl.where(live & ~is_winner, _mul_nonneg(p_arg, expm1_parts), 0.0), axis=0)
+        b = tl.sum(tl.where(live, _mul_nonneg(norm, b_parts), 0.0), axis=0)
+        b += tl.sum(tl.where(live & ~is_winner, _mul_nonneg(p_arg, g_parts), 0.0), axis=0)
+        p_max = tl.sum(tl.where(is_winner & live, p_arg, 0.0), axis=0)
+        u_max = tl.sum(tl.where(is_winner & live, u_parts, 0.0), axis=0)
+        nan_in = (tl.sum(tl.where(split_ok & (lse != lse), 1, 0), axis=0) > 0) | (weight_sum != weight_sum)
+        poison = tl.where(nan_in, float("nan"), 0.0)
+
+        e_m = tl.exp(u_max)
+        expm1_m, g_m = _expm1_and_g(u_max)
+        rest_mass = tl.maximum(1.0 - p_max, 0.0)
+        t1 = a1 + _mul_nonneg(p_max, expm1_m)
+        b_total = b + _mul_nonneg(p_max, g_m)
+        # sum_{t != m} p~_t u_t; +inf when its parts overflowed (a bound, where inf - inf would be NaN).
+        u_rest = tl.where(a1 == _FP32_INF, _FP32_INF, tl.maximum(a1 - b, 0.0))
+        t4 = _mul_nonneg(e_m, a1) + _mul_nonneg(expm1_m, rest_mass)
+        pa_inner = _mul_nonneg(e_m, b) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, rest_mass)
+        bound = tl.minimum(tl.minimum(t1, t4), tl.minimum(tl.sqrt(b_total / 2.0), tl.sqrt(pa_inner / 2.0)))
+        bound = tl.where(has_tokens, bound * eval_slack, 0.0) + poison
+        index = row * NUM_Q_HEADS + head
+        tl.store(Certificate + index, bound)
+        tl.store(A1Rest + index, a1 + poison)
+        tl.store(BRest + index, b + poison)
+        tl.store(PMax + index, p_max + poison)
+        tl.store(UMax + index, u_max + poison)
+
+
+@triton.jit
+def _decode_stage1_fp16(
+    Q,
+    KCache,
+    VCache,
+    KvStart,
+    KvLen,
+    KvIndices,
+    PartOut,
+    PartLse,
+    stride_qb,
+    stride_qh,
+    sm_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """The baseline: the same split-KV structure over an fp16/bf16 paged cache ``[slots, H_kv, D]``."""
+    row = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    blocks_per_kv_head: tl.constexpr = (KV_GROUP + BLOCK_H - 1) // BLOCK_H
+    kv_head = head_block // blocks_per_kv_head
+    local_heads = (head_block % blocks_per_kv_head) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = local_heads < KV_GROUP
+    heads = kv_head * KV_GROUP + local_heads
+    num_q_heads = NUM_KV_HEADS * KV_GROUP
+    kv_start = tl.load(KvStart + row)
+    seq_len = tl.load(KvLen + row)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    channels = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + channels[None, :], mask=head_ok[:, None], other=0.0)
+    running_max = tl.full((BLOCK_H,), -_FP32_INF, tl.float32)
+    running_sum = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        token_ok = offs < hi
+        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64)
+        base = slots * NUM_KV_HEADS + kv_head
+        k = tl.load(KCache + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0.0)
+        logits = tl.dot(q, tl.trans(k)) * sm_scale
+        logits = tl.where(token_ok[None, :], logits, -_FP32_INF)
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        alpha = tl.exp(running_max - new_max)
+        weights = tl.exp(logits - new_max[:, None])
+        running_sum = running_sum * alpha + tl.sum(weights, axis=1)
+        v = tl.load(VCache + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
+        running_max = new_max
+    safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
+    part_row = (row * num_q_heads + heads) * NUM_SPLITS + split
+    tl.store(PartOut + part_row[:, None] * HEAD_DIM + channels[None, :], acc / safe_sum[:, None], mask=head_ok[:, None])
+    lse = tl.where(running_sum == 0, -_FP32_INF, running_max + tl.log(safe_sum))
+    tl.store(PartLse + part_row, lse, mask=head_ok)
