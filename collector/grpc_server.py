@@ -1,0 +1,72 @@
+"""OTLP/gRPC receiver: ``opentelemetry.proto.collector.metrics.v1.MetricsService/Export``.
+
+The handler takes the request's raw bytes (grpc has already undone gzip, within the message size
+cap), so client retries are recognised by the same body hash as over HTTP. Refusals carry a
+``google.rpc.RetryInfo`` in ``grpc-status-details-bin``, as the OTLP spec asks.
+"""
+
+from __future__ import annotations
+
+import hmac
+from concurrent import futures
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+
+from witcert.collector.config import parse_listen_address
+
+if TYPE_CHECKING:
+    from witcert.collector.service import Collector
+
+_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
+
+
+def _abort_with_retry(context: grpc.ServicerContext, message: str, retry_after_s: int) -> None:
+    retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=retry_after_s))
+    status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message)
+    status.details.add().Pack(retry)
+    context.set_trailing_metadata((("grpc-status-details-bin", status.SerializeToString()),))
+    context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def _export_handler(collector: Collector):
+    from witcert.collector.service import Outcome
+
+    def export(body: bytes, context: grpc.ServicerContext) -> bytes:
+        token = collector.config.token
+        if token is not None:
+            supplied = dict(context.invocation_metadata()).get("authorization", "")
+            if not hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode()):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        result = collector.ingest(body, "application/x-protobuf")
+        if result.outcome is Outcome.INVALID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
+        if result.outcome is Outcome.UNAVAILABLE:
+            _abort_with_retry(context, result.message, collector.config.limits.retry_after_s)
+        response = ExportMetricsServiceResponse()
+        if result.rejected_points or result.message:
+            response.partial_success.rejected_data_points = result.rejected_points
+            response.partial_success.error_message = result.message
+        return response.SerializeToString()
+
+    return export
+
+
+def start_grpc_server(collector: Collector, address: str) -> tuple[grpc.Server, int]:
+    host, port = parse_listen_address(address)
+    limit = collector.config.limits.max_decompressed_bytes
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=collector.config.grpc_workers, thread_name_prefix="witcert-grpc"),
+        options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=collector.config.grpc_workers * 8,
+    )
+    handler = grpc.unary_unary_rpc_method_handler(_export_handler(collector))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"Export": handler}),))
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen for OTLP/gRPC on {address}")
+    server.start()
+    return server, bound
