@@ -107,7 +107,7 @@ def alert_specs(
             title="witcert infinite-certificate spike",
             summary="Share of +inf certificates in the last 5 minutes is above "
             f"{inf_fraction_floor:g} and {spike_factor:g}x its previous hour on {{{{ $labels.instance }}}}",
-            sql=_spike_sql("`Inf`", inf_fraction_floor, spike_factor),
+            sql=_spike_sql("Infinite", inf_fraction_floor, spike_factor),
             value_column="spike_ratio",
             window_s=3900,
             evaluator="gt",

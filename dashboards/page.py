@@ -5,7 +5,7 @@ offers a hook for extra read-only routes). The page is static HTML and JavaScrip
 vendored under ``static/vendor``, MIT licence); its data comes from two JSON endpoints that run
 the very panel SQL Grafana runs, with the datasource's macros expanded the way the plugin expands
 them. Variable values from the URL are accepted only if the variable's own query returned them,
-and every query runs with ClickHouse ``readonly = 1``.
+and every query runs with the ClickHouse setting ``readonly = 1``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import mimetypes
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -24,7 +23,7 @@ from typing import Any
 from .macros import MacroError, TimeRange, render_sql
 from .panels import PANELS, VARIABLES, PanelSpec, VariableSpec, panel
 
-# (sql) -> (column names, rows). The collector passes one bound to its store.
+# (sql) -> (column names, rows): the collector passes its store's read method.
 QueryRunner = Callable[[str], tuple[Sequence[str], Sequence[Sequence[Any]]]]
 
 PREFIX = "/dashboard"
@@ -49,21 +48,6 @@ class Response:
 
 class BadRequest(ValueError):
     """The request asks for something the page cannot give (a 400, with this message)."""
-
-
-def client_query_runner(client: Any) -> QueryRunner:
-    """A QueryRunner over a clickhouse-connect client (server or chDB), read-only and serialised.
-
-    chDB runs in-process and one client must not be driven from several threads at once.
-    """
-    lock = threading.Lock()
-
-    def run(sql: str) -> tuple[Sequence[str], Sequence[Sequence[Any]]]:
-        with lock:
-            result = client.query(sql, settings={"readonly": 1})
-        return result.column_names, result.result_rows
-
-    return run
 
 
 def _json_value(value: Any) -> Any:
@@ -92,8 +76,13 @@ class DashboardPage:
     """Routes of the built-in page, bound to one store."""
 
     def __init__(self, run_query: QueryRunner, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
-        self._run_query = run_query
+        self._store_query = run_query
         self._now = now
+
+    def _run_query(self, sql: str) -> tuple[Sequence[str], Sequence[Sequence[Any]]]:
+        # The SQL is ours and its variables are checked, but a read-only page must not be able to
+        # write even if that changed: ClickHouse refuses anything but reads under readonly = 1.
+        return self._store_query(sql + "\nSETTINGS readonly = 1")
 
     # --- request parsing -------------------------------------------------------------------------
 

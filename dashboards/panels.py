@@ -258,7 +258,7 @@ PANELS: tuple[PanelSpec, ...] = (
         kind="stat",
         queries=(
             PanelQuery(
-                "A", f"SELECT sum(`Inf`) AS inf_certificates\nFROM {rollup('counts', '`Inf`')}", ("inf_certificates",)
+                "A", f"SELECT sum(Infinite) AS inf_certificates\nFROM {rollup('counts', 'Infinite')}", ("inf_certificates",)
             ),
         ),
         unit="short",
@@ -377,10 +377,10 @@ PANELS: tuple[PanelSpec, ...] = (
             _timeseries(
                 "A",
                 "counts",
-                "Vacuous, `Inf`, `NaN`, Certificates",
+                "Vacuous, Infinite, NaNs, Certificates",
                 f"{_ratio('Vacuous', 'Certificates')} AS vacuous_fraction, "
-                f"{_ratio('`Inf`', 'Certificates')} AS inf_fraction, "
-                f"{_ratio('`NaN`', 'Certificates')} AS nan_fraction",
+                f"{_ratio('Infinite', 'Certificates')} AS inf_fraction, "
+                f"{_ratio('NaNs', 'Certificates')} AS nan_fraction",
                 (),
                 ("vacuous_fraction", "inf_fraction", "nan_fraction"),
             ),
