@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -75,7 +77,8 @@ class CollectorConfig(BaseModel):
     # None disables the listener. Port 0 picks a free port (tests, demo); bound ports are reported.
     otlp_http: str | None = DEFAULT_HTTP
     otlp_grpc: str | None = DEFAULT_GRPC
-    spool_dir: Path = Field(default_factory=lambda: default_data_dir() / "spool")
+    # None: next to a chDB store (``<path>.spool``), else under the data dir, named after the server.
+    spool_dir: Path | None = None
     # Bearer token required on every OTLP and API request when set (read from --token-file).
     token: str | None = None
     # Spool records drained per store insert, and the longest a record waits for company.
@@ -84,6 +87,16 @@ class CollectorConfig(BaseModel):
     grpc_workers: int = Field(4, ge=1)
     limits: Limits = Field(default_factory=Limits)
     retention: Retention = Field(default_factory=Retention)
+
+    def resolved_spool_dir(self) -> Path:
+        if self.spool_dir is not None:
+            return Path(self.spool_dir)
+        parts = urlsplit(self.store_url)
+        if parts.scheme == "chdb":
+            path = Path(unquote(parts.netloc + parts.path)).expanduser().resolve()
+            return path.with_name(path.name + ".spool")
+        server = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{parts.hostname}_{parts.port}_{parts.path.strip('/')}")
+        return default_data_dir() / f"spool-{server}"
 
     @field_validator("otlp_http", "otlp_grpc")
     @classmethod

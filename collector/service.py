@@ -120,7 +120,7 @@ class Collector:
         self.store = Store(self.config.store_url, self.config.retention)
         try:
             self.queries = Queries(self.store)
-            self.spool = Spool(self.config.spool_dir, max_bytes=limits.max_spool_bytes)
+            self.spool = Spool(self.config.resolved_spool_dir(), max_bytes=limits.max_spool_bytes)
             self._drain_thread = threading.Thread(target=self._drain, name="witcert-drain", daemon=True)
             self._drain_thread.start()
             http_port = grpc_port = None

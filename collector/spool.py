@@ -16,6 +16,7 @@ for that window so the keys survive a restart.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -61,6 +62,10 @@ class SpoolBatch:
     @property
     def token(self) -> str:
         return f"{self.first_seq}-{self.last_seq}"
+
+
+class SpoolBusy(RuntimeError):
+    """Another collector holds the spool directory."""
 
 
 class SpoolFull(RuntimeError):
@@ -112,6 +117,14 @@ class Spool:
     # --- opening and recovery -------------------------------------------------------------
     def _open(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise SpoolBusy(
+                f"the spool {self.directory} is in use by another collector; give each its own --spool"
+            ) from None
         self.committed = int(self._read_marker("committed") or 0)
         pending_text = self._read_marker("pending")
         self.pending: tuple[int, int] | None = None
@@ -297,3 +310,7 @@ class Spool:
                 self._active_file.close()
                 self._active_file = None
             self._has_records.notify_all()
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = None

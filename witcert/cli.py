@@ -16,6 +16,7 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES: dict[str, str] = {
     "witcert.kernels.cli": "selftest: check the reference and the kernels on this machine",
     "witcert.dashboards.cli": "dashboards: export Grafana provisioning files or push them to a Grafana",
+    "witcert.collector.cli": "collector, query, schema: receive OTLP, store in ClickHouse/chDB, read history",
 }
 
 

@@ -1,0 +1,272 @@
+"""``witcert collector``, ``witcert query`` and ``witcert schema``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from witcert.collector.config import DEFAULT_GRPC, DEFAULT_HTTP, CollectorConfig, Retention, default_store_url
+from witcert.collector.queries import REPORTS
+
+_QUERY_HELP = """reports:
+  coverage       coverage over time (covered / certificates at the engine's tau; at --tau from samples)
+  heatmap        per layer x head: certificates, coverage, fallbacks (with --tau: from samples, p99, max)
+  worst-heads    heads with the lowest coverage, --limit of them
+  samples        raw sampled certificates in the window (--layer/--head filter, --limit rows)
+  fallback-rate  fallbacks / certificates over time, bytes repaired
+  tau            the tau each engine instance reported last
+
+examples:
+  witcert query coverage --from -6h --tau 0.05
+  witcert query worst-heads --url http://127.0.0.1:4318 --format json
+"""
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as error:
+        raise SystemExit(f"cannot read the token file {path}: {error.strerror}") from None
+    if not token:
+        raise SystemExit(f"the token file {path} is empty")
+    return token
+
+
+def _retention_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Retention()
+    group = parser.add_argument_group("retention (days; applied when the schema is first created)")
+    group.add_argument("--raw-days", type=int, default=defaults.raw_days, help="otel_metrics_* raw tables")
+    group.add_argument("--samples-days", type=int, default=defaults.samples_days, help="certificate samples")
+    group.add_argument("--rollup-1m-days", type=int, default=defaults.rollup_1m_days, help="1-minute rollups")
+    group.add_argument("--rollup-1h-days", type=int, default=defaults.rollup_1h_days, help="1-hour rollups")
+
+
+def _retention(args: argparse.Namespace) -> Retention:
+    return Retention(
+        raw_days=args.raw_days,
+        samples_days=args.samples_days,
+        rollup_1m_days=args.rollup_1m_days,
+        rollup_1h_days=args.rollup_1h_days,
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    collector = subparsers.add_parser(
+        "collector",
+        help="receive OTLP metrics and store them in ClickHouse or chDB",
+        description=(
+            "Receive OTLP metrics (HTTP: protobuf or JSON, gzip; gRPC), spool them durably, store them in "
+            "ClickHouse or the embedded chDB engine, and serve /healthz, /readyz and the read API /api/v1."
+        ),
+    )
+    collector.add_argument(
+        "--store",
+        default=default_store_url(),
+        help="chdb:///path (embedded, default %(default)s) or clickhouse://user:pass@host:8123/db",
+    )
+    collector.add_argument("--otlp-http", default=DEFAULT_HTTP, help="OTLP/HTTP listen address (default %(default)s)")
+    collector.add_argument("--otlp-grpc", default=DEFAULT_GRPC, help="OTLP/gRPC listen address (default %(default)s)")
+    collector.add_argument("--no-grpc", action="store_true", help="do not start the gRPC receiver")
+    collector.add_argument("--spool", type=Path, default=None, help="spool directory (default: next to the data)")
+    collector.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
+    collector.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _retention_arguments(collector)
+    collector.set_defaults(handler=_run_collector)
+
+    query = subparsers.add_parser(
+        "query",
+        help="read coverage, heat maps, worst heads, samples and fallback rates",
+        description="Read certificate history from the store, or from a running collector's API (--url).",
+        epilog=_QUERY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    query.add_argument("report", choices=list(REPORTS), help="which report (below)")
+    source = query.add_mutually_exclusive_group()
+    source.add_argument("--store", default=None, help=f"open the store directly (default {default_store_url()})")
+    source.add_argument("--url", default=None, help="ask a running collector instead, e.g. http://127.0.0.1:4318")
+    query.add_argument("--token-file", default=None, help="bearer token for --url")
+    query.add_argument(
+        "--from", dest="start", default="-1h", help="ISO-8601, 'now' or relative like -15m (default -1h)"
+    )
+    query.add_argument("--to", dest="end", default="now", help="ISO-8601, 'now' or relative (default now)")
+    query.add_argument("--model", default="", help="only this model (witcert.model)")
+    query.add_argument("--instance", default="", help="only this engine instance (service.instance.id)")
+    query.add_argument("--tau", type=float, default=None, help="coverage at this tau, from the sampled values")
+    query.add_argument("--interval", type=int, default=None, help="seconds per time bucket (default: automatic)")
+    query.add_argument("--limit", type=int, default=20, help="rows for worst-heads and samples (default 20)")
+    query.add_argument("--layer", type=int, default=None, help="samples: only this layer")
+    query.add_argument("--head", type=int, default=None, help="samples: only this head")
+    query.add_argument("--format", default="table", choices=["table", "json", "csv"], help="output format")
+    query.set_defaults(handler=_run_query)
+
+    schema = subparsers.add_parser(
+        "schema",
+        help="print the storage DDL (single node, or a cluster with --cluster)",
+        description=(
+            "Print the schema the collector applies. With --cluster: Replicated local tables, views on each "
+            "node and Distributed front tables, every statement ON CLUSTER (see docs/STORAGE.md)."
+        ),
+    )
+    schema.add_argument("--cluster", default=None, help="ClickHouse cluster name (remote_servers)")
+    schema.add_argument("--database", default="default", help="database for the cluster tables")
+    _retention_arguments(schema)
+    schema.set_defaults(handler=_run_schema)
+
+
+def _run_collector(args: argparse.Namespace) -> int:
+    from witcert.collector.service import Collector
+    from witcert.collector.spool import SpoolBusy
+    from witcert.collector.store import StoreError
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fields = {
+        "store_url": args.store,
+        "otlp_http": args.otlp_http,
+        "otlp_grpc": None if args.no_grpc else args.otlp_grpc,
+        "token": _read_token(args.token_file),
+        "retention": _retention(args),
+    }
+    if args.spool is not None:
+        fields["spool_dir"] = args.spool
+    try:
+        config = CollectorConfig(**fields)
+    except ValueError as error:
+        print(f"witcert collector: {error}", file=sys.stderr)
+        return 2
+    collector = Collector(config)
+    try:
+        ports = collector.start()
+    except (StoreError, SpoolBusy, OSError) as error:
+        print(f"witcert collector: {error}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    listening = []
+    if ports.http is not None:
+        listening.append(f"OTLP/HTTP {config.otlp_http.rsplit(':', 1)[0]}:{ports.http}")
+    if ports.grpc is not None:
+        listening.append(f"OTLP/gRPC {config.otlp_grpc.rsplit(':', 1)[0]}:{ports.grpc}")
+    print(
+        f"witcert collector: {', '.join(listening)}; store {args.store}; spool {config.resolved_spool_dir()}",
+        flush=True,
+    )
+    stop.wait()
+    collector.stop()
+    return 0
+
+
+def _run_query(args: argparse.Namespace) -> int:
+    from witcert.collector import api
+    from witcert.collector.queries import QueryError, QueryResult
+
+    params = {
+        "from": args.start,
+        "to": args.end,
+        "model": args.model,
+        "instance": args.instance,
+        "tau": "" if args.tau is None else repr(args.tau),
+        "interval": "" if args.interval is None else str(args.interval),
+        "limit": str(args.limit),
+        "layer": "" if args.layer is None else str(args.layer),
+        "head": "" if args.head is None else str(args.head),
+    }
+    try:
+        if args.url:
+            result = _query_over_http(args.url, args.report, params, _read_token(args.token_file))
+        else:
+            result = _query_store(args.store or default_store_url(), args.report, params)
+    except (QueryError, RuntimeError) as error:
+        print(f"witcert query: {error}", file=sys.stderr)
+        return 1
+    assert isinstance(result, QueryResult)
+    if args.format == "json":
+        print(api.to_json(result))
+    elif args.format == "csv":
+        sys.stdout.write(api.to_csv(result))
+    else:
+        _print_table(result)
+    return 0
+
+
+def _query_store(url: str, report: str, params: dict[str, str]):
+    from witcert.collector import api
+    from witcert.collector.queries import Queries
+    from witcert.collector.store import Store
+
+    window = api.window_from_params(params)
+    store = Store(url, migrate=False)
+    try:
+        return Queries(store).run(report, window)
+    finally:
+        store.close()
+
+
+def _query_over_http(base_url: str, report: str, params: dict[str, str], token: str | None):
+    from witcert.collector.queries import QueryResult
+
+    query = urllib.parse.urlencode({name: value for name, value in params.items() if value != ""})
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/api/v1/{report}?{query}")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            payload = json.load(response)
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")
+        raise RuntimeError(f"{base_url} answered {error.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise RuntimeError(f"cannot reach {base_url}: {error}") from None
+    columns = payload["columns"]
+    rows = [tuple(record[column] for column in columns) for record in payload["rows"]]
+    return QueryResult(payload["report"], columns, rows)
+
+
+def _print_table(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=result.report, show_lines=False)
+    for column in result.columns:
+        table.add_column(column)
+    for row in result.rows:
+        table.add_row(*[_cell(value) for value in row])
+    Console().print(table)
+    if not result.rows:
+        print("(no rows in this window)")
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _run_schema(args: argparse.Namespace) -> int:
+    from witcert.collector import migrations
+
+    retention = _retention(args)
+    try:
+        if args.cluster:
+            sys.stdout.write(migrations.cluster_ddl(args.cluster, args.database, retention))
+            return 0
+        for migration in migrations.load_migrations():
+            print(f"-- migration {migration.version:04d}_{migration.name}")
+            for statement in migrations.render_statements(migration, retention):
+                print(statement + ";\n")
+    except ValueError as error:
+        print(f"witcert schema: {error}", file=sys.stderr)
+        return 2
+    return 0
