@@ -91,6 +91,38 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from witcert.collector.config import CollectorConfig
+    from witcert.collector.service import Collector
+    from witcert.collector.spool import SpoolBusy
+    from witcert.collector.store import StoreError
+
+    from .page import PREFIX, routes
+
+    try:
+        config = CollectorConfig(store_url=args.store, otlp_http=args.listen, otlp_grpc=args.otlp_grpc)
+    except ValueError as error:
+        print(f"witcert dashboards serve: {error}", file=sys.stderr)
+        return 2
+    collector = Collector(config, extra_routes=routes())
+    try:
+        ports = collector.start()
+    except (StoreError, SpoolBusy, OSError) as error:
+        print(f"witcert dashboards serve: {error}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    host = args.listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+    print(f"witcert dashboards: http://{host}:{ports.http}{PREFIX}/ (OTLP/HTTP on the same port)", flush=True)
+    stop.wait()
+    collector.stop()
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "dashboards",
@@ -139,3 +171,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_threshold_options(push_parser)
     push_parser.set_defaults(handler=_push)
+
+    from witcert.collector.config import DEFAULT_HTTP, default_store_url
+
+    serve_parser = commands.add_parser(
+        "serve",
+        help="run a collector on a store with the built-in dashboard page mounted (no Grafana needed)",
+        description="Start the witcert collector with the read-only dashboard page at /dashboard/. It also "
+        "receives OTLP like `witcert collector` (one process per chDB store: stop the other collector first).",
+    )
+    serve_parser.add_argument("--store", default=default_store_url(), help="store URL (default %(default)s)")
+    serve_parser.add_argument(
+        "--listen", default=DEFAULT_HTTP, help="HTTP address for the page and OTLP/HTTP (default %(default)s)"
+    )
+    serve_parser.add_argument(
+        "--otlp-grpc", default=None, metavar="HOST:PORT", help="also receive OTLP/gRPC here (default: off)"
+    )
+    serve_parser.set_defaults(handler=_serve)

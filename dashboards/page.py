@@ -6,6 +6,10 @@ vendored under ``static/vendor``, MIT licence); its data comes from two JSON end
 the very panel SQL Grafana runs, with the datasource's macros expanded the way the plugin expands
 them. Variable values from the URL are accepted only if the variable's own query returned them,
 and every query runs with the ClickHouse setting ``readonly = 1``.
+
+Query parameters: ``from``/``to`` (unix seconds), ``points`` (the chart width Grafana would use as
+max data points), ``tau``, and ``model``/``instance`` as comma-separated lists whose items are
+each percent-encoded (the collector hands routes one value per parameter).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from importlib import resources
 from typing import Any
+from urllib.parse import unquote
 
 from .macros import MacroError, TimeRange, render_sql
 from .panels import PANELS, VARIABLES, PanelSpec, VariableSpec, panel
@@ -86,17 +91,17 @@ class DashboardPage:
 
     # --- request parsing -------------------------------------------------------------------------
 
-    def _time_range(self, params: Mapping[str, Sequence[str]]) -> TimeRange:
+    def _time_range(self, params: Mapping[str, str]) -> TimeRange:
         def seconds(name: str) -> float | None:
-            values = params.get(name)
-            if not values:
+            text = params.get(name, "")
+            if not text:
                 return None
             try:
-                number = float(values[-1])
+                number = float(text)
             except ValueError as error:
-                raise BadRequest(f"{name} must be unix seconds, got {values[-1]!r}") from error
+                raise BadRequest(f"{name} must be unix seconds, got {text!r}") from error
             if not math.isfinite(number) or number < 0:
-                raise BadRequest(f"{name} must be unix seconds, got {values[-1]!r}")
+                raise BadRequest(f"{name} must be unix seconds, got {text!r}")
             return number
 
         end_s, start_s = seconds("to"), seconds("from")
@@ -106,7 +111,7 @@ class DashboardPage:
             raise BadRequest("from must be before to")
         if end - start > MAX_RANGE:
             raise BadRequest(f"the range may span at most {MAX_RANGE.days} days")
-        points_text = (params.get("points") or ["1000"])[-1]
+        points_text = params.get("points") or "1000"
         if not points_text.isdigit() or not 10 <= int(points_text) <= 5000:
             raise BadRequest("points must be an integer between 10 and 5000")
         return TimeRange.for_width(start, end, int(points_text))
@@ -118,14 +123,15 @@ class DashboardPage:
         return [str(row[0]) for row in rows]
 
     def _variables(
-        self, params: Mapping[str, Sequence[str]], time_range: TimeRange
+        self, params: Mapping[str, str], time_range: TimeRange
     ) -> tuple[dict[str, Any], dict[str, list[str]]]:
         """Each variable's value and its options; later variables see the values chosen before them."""
         chosen: dict[str, Any] = {}
         options: dict[str, list[str]] = {}
         for spec in VARIABLES:
             options[spec.name] = self._options(spec, time_range, chosen)
-            requested = [value for value in params.get(spec.name, []) if value != ""]
+            text = params.get(spec.name, "")
+            requested = [unquote(item) for item in text.split(",") if item] if spec.multi else [text] if text else []
             if spec.multi:
                 unknown = [value for value in requested if value not in options[spec.name]]
                 if unknown:
@@ -145,7 +151,7 @@ class DashboardPage:
 
     # --- endpoints ----------------------------------------------------------------------------------
 
-    def layout(self, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    def layout(self, params: Mapping[str, str]) -> dict[str, Any]:
         """Sections, panels and variables with their options for the requested range."""
         time_range = self._time_range(params)
         _, options = self._variables(params, time_range)
@@ -164,7 +170,7 @@ class DashboardPage:
             "panels": [_panel_layout(spec) for spec in PANELS],
         }
 
-    def panel_data(self, key: str, params: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    def panel_data(self, key: str, params: Mapping[str, str]) -> dict[str, Any]:
         """Run every query of one panel and return its columns and rows."""
         try:
             spec = panel(key)
@@ -192,12 +198,10 @@ class DashboardPage:
             "results": results,
         }
 
-    def handle(self, method: str, path: str, params: Mapping[str, Sequence[str]]) -> Response | None:
-        """Answer a request under ``PREFIX``; ``None`` for paths this page does not own."""
+    def handle(self, path: str, params: Mapping[str, str]) -> Response | None:
+        """Answer a GET under ``PREFIX``; ``None`` for paths this page does not own."""
         if path != PREFIX and not path.startswith(PREFIX + "/"):
             return None
-        if method not in ("GET", "HEAD"):
-            return _error(405, "the dashboard page is read-only: GET only")
         subpath = path[len(PREFIX) :]
         if subpath in _STATIC_FILES:
             return _static(_STATIC_FILES[subpath])
@@ -211,10 +215,6 @@ class DashboardPage:
         except Exception as error:  # noqa: BLE001 - a failing store must not take the server down
             return _error(502, f"the store could not answer: {type(error).__name__}: {error}")
         return _error(404, f"no such page: {path}")
-
-    def routes(self) -> list[tuple[str, Callable[[str, str, Mapping[str, Sequence[str]]], Response | None]]]:
-        """(path prefix, handler) pairs for the collector's route-mounting hook."""
-        return [(PREFIX, self.handle)]
 
 
 def _panel_layout(spec: PanelSpec) -> dict[str, Any]:
@@ -243,3 +243,23 @@ def _static(name: str) -> Response:
     if content_type.startswith("text/") or content_type.endswith("javascript"):
         content_type += "; charset=utf-8"
     return Response(200, content_type, data)
+
+
+def routes() -> tuple[Any, ...]:
+    """The page as routes for the collector's hook: ``Collector(config, extra_routes=routes())``.
+
+    Each request reads through the collector's own store connection (``request.queries``).
+    """
+    from witcert.collector.service import ApiRequest, ApiResponse, Route
+
+    def handle(request: ApiRequest) -> ApiResponse:
+        def run_query(sql: str) -> tuple[Sequence[str], Sequence[Sequence[Any]]]:
+            result = request.queries.sql(sql, {})
+            return result.columns, result.rows
+
+        response = DashboardPage(run_query).handle(request.path, request.params)
+        if response is None:
+            return ApiResponse(404, "application/json", b'{"error":"not found"}')
+        return ApiResponse(response.status, response.content_type, response.body, {"Cache-Control": "no-store"})
+
+    return (Route(PREFIX, handle),)

@@ -258,7 +258,9 @@ PANELS: tuple[PanelSpec, ...] = (
         kind="stat",
         queries=(
             PanelQuery(
-                "A", f"SELECT sum(Infinite) AS inf_certificates\nFROM {rollup('counts', 'Infinite')}", ("inf_certificates",)
+                "A",
+                f"SELECT sum(Infinite) AS inf_certificates\nFROM {rollup('counts', 'Infinite')}",
+                ("inf_certificates",),
             ),
         ),
         unit="short",

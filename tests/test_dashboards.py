@@ -76,8 +76,8 @@ def _counter_values(instance: str, minute: int) -> dict[str, int]:
     }
 
 
-def _instance_request(instance: str) -> bytes:
-    """One OTLP request with every minute of one instance, as the SDK's OTLP encoder writes it."""
+def metrics_data(instance: str) -> MetricsData:
+    """Every minute of one instance as the SDK's metric data, ready for its OTLP encoder or exporter."""
     minutes = [m for m in range(MINUTES) if not (instance == "node-c" and m < SILENT_MINUTES)]
     counters: dict[str, list[NumberDataPoint]] = {name: [] for name in ts.COUNTER_METRICS}
     histogram, lag = [], []
@@ -117,15 +117,14 @@ def _instance_request(instance: str) -> bytes:
     resource = Resource(
         {ts.RESOURCE_SERVICE_NAME: "witcert-engine", ts.RESOURCE_INSTANCE: instance, ts.RESOURCE_MODEL: MODEL}
     )
-    data = MetricsData([ResourceMetrics(resource, [ScopeMetrics(InstrumentationScope("witcert"), metrics, "")], "")])
-    return encode_metrics(data).SerializeToString()
+    return MetricsData([ResourceMetrics(resource, [ScopeMetrics(InstrumentationScope("witcert"), metrics, "")], "")])
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory):
     store = Store(f"chdb://{tmp_path_factory.mktemp('dashboards') / 'store'}")
     for instance in INSTANCES:
-        body = _instance_request(instance)
+        body = encode_metrics(metrics_data(instance)).SerializeToString()
         batch = convert_request(decode_request(body, "application/x-protobuf"), Limits())
         assert batch.rejected_points == 0, batch.error_message
         for table, columns in batch.columns.items():
@@ -200,7 +199,9 @@ def test_heat_maps_hold_the_known_answer(store: Store):
         }
         _, largest = run(store, panels.panel("max_certificate_heatmap").queries[0].sql, ALL, span)
         assert {(layer, head): value for layer, head, value in largest} == {
-            (layer, head): 1.0 if layer else ts.CERTIFICATE_BUCKETS[LOW_BOUND_INDEX] for layer in range(LAYERS) for head in range(HEADS)
+            (layer, head): 1.0 if layer else ts.CERTIFICATE_BUCKETS[LOW_BOUND_INDEX]
+            for layer in range(LAYERS)
+            for head in range(HEADS)
         }
 
 

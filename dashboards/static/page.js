@@ -44,10 +44,10 @@ function query() {
   const now = Math.floor(Date.now() / 1000);
   params.set("from", String(now - Number(form.range.value)));
   params.set("to", String(now));
+  // Lists travel as one parameter: items percent-encoded, then joined by commas.
   for (const select of document.querySelectorAll("#variables select")) {
-    for (const option of select.selectedOptions) {
-      if (option.value !== "") params.append(select.name, option.value);
-    }
+    const values = Array.from(select.selectedOptions, (option) => option.value).filter((v) => v !== "");
+    if (values.length) params.set(select.name, select.multiple ? values.map(encodeURIComponent).join(",") : values[0]);
   }
   return params;
 }
