@@ -65,6 +65,7 @@ class StateLayout:
         sizes = {
             "step": 1,
             "ring_written": 1,
+            "arrivals": 1,  # programs of a multi-layer call that have finished (0 between calls)
             "counts": _NUM_COUNTERS * self.cells,
             "hist_counts": self.cells * self.num_buckets,
             "hist_sum": self.cells,
@@ -191,6 +192,7 @@ def _observe_kernel(
     bounds_ptr,
     step_ptr,
     written_ptr,
+    arrivals_ptr,
     counts_ptr,
     hist_ptr,
     hist_sum_ptr,
@@ -213,16 +215,18 @@ def _observe_kernel(
     HAS_REPAIRED: tl.constexpr,
     HAS_ACTIVE_ROWS: tl.constexpr,
     ADVANCE_STEP: tl.constexpr,
+    SINGLE_PROGRAM: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # One program does everything: the data is a few thousand values, and a single program needs no
-    # atomics for the counters and no ordering between programs for the ring cursor.
+    # One program per layer: each owns its layer's cells, so counters need no atomics. The step counter
+    # and the ring cursor are shared: every program reads them first, and the last program to arrive
+    # (or the only one) advances them, so no program can read a value another has already moved.
+    i = tl.program_id(0)
+    layer = first_layer + i
     step = tl.load(step_ptr)
-    if ADVANCE_STEP:
-        step = step + 1
-        tl.store(step_ptr, step)
-    current_step = step - 1
+    written = tl.load(written_ptr)
+    current_step = step if ADVANCE_STEP else step - 1
     heads = tl.arange(0, BLOCK_H)
     head_ok = heads < NUM_HEADS
     # Per-head vectors rather than scalars: Triton's interpreter rejects masks combined with loaded scalars.
@@ -231,100 +235,108 @@ def _observe_kernel(
     rows_limit = num_rows
     if HAS_ACTIVE_ROWS:
         rows_limit = tl.minimum(tl.load(active_rows_ptr).to(tl.int32), num_rows)
-    written = tl.load(written_ptr)
-    for i in range(num_layers_in_call):
-        layer = first_layer + i
-        n_samples = tl.zeros([BLOCK_H], dtype=tl.int64)
-        n_covered = tl.zeros([BLOCK_H], dtype=tl.int64)
-        n_vacuous = tl.zeros([BLOCK_H], dtype=tl.int64)
-        n_inf = tl.zeros([BLOCK_H], dtype=tl.int64)
-        n_nan = tl.zeros([BLOCK_H], dtype=tl.int64)
-        n_fallback = tl.zeros([BLOCK_H], dtype=tl.int64)
-        n_repaired = tl.zeros([BLOCK_H], dtype=tl.int64)
-        finite_sum = tl.zeros([BLOCK_H], dtype=tl.float64)
-        finite_min = tl.full([BLOCK_H], float("inf"), dtype=tl.float32)
-        finite_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        any_nan = tl.zeros([BLOCK_H], dtype=tl.int32)
-        for row_start in range(0, num_rows, BLOCK_B):
-            rows = row_start + tl.arange(0, BLOCK_B)
-            ok = (rows < rows_limit)[:, None] & head_ok[None, :]
-            value = tl.load(
-                cert_ptr + i * cert_stride_l + rows[:, None] * cert_stride_b + heads[None, :] * cert_stride_h,
+
+    n_samples = tl.zeros([BLOCK_H], dtype=tl.int64)
+    n_covered = tl.zeros([BLOCK_H], dtype=tl.int64)
+    n_vacuous = tl.zeros([BLOCK_H], dtype=tl.int64)
+    n_inf = tl.zeros([BLOCK_H], dtype=tl.int64)
+    n_nan = tl.zeros([BLOCK_H], dtype=tl.int64)
+    n_fallback = tl.zeros([BLOCK_H], dtype=tl.int64)
+    n_repaired = tl.zeros([BLOCK_H], dtype=tl.int64)
+    finite_sum = tl.zeros([BLOCK_H], dtype=tl.float64)
+    finite_min = tl.full([BLOCK_H], float("inf"), dtype=tl.float32)
+    finite_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    any_nan = tl.zeros([BLOCK_H], dtype=tl.int32)
+    for row_start in range(0, num_rows, BLOCK_B):
+        rows = row_start + tl.arange(0, BLOCK_B)
+        ok = (rows < rows_limit)[:, None] & head_ok[None, :]
+        value = tl.load(
+            cert_ptr + i * cert_stride_l + rows[:, None] * cert_stride_b + heads[None, :] * cert_stride_h,
+            mask=ok,
+            other=0.0,
+        ).to(tl.float32)
+        is_nan = ok & (value != value)
+        is_inf = ok & (value == float("inf"))
+        finite = ok & (tl.abs(value) < float("inf"))
+        n_samples += tl.sum(ok.to(tl.int64), axis=0)
+        n_covered += tl.sum((ok & (value <= tau)).to(tl.int64), axis=0)
+        n_vacuous += tl.sum((finite & (value >= 1.0)).to(tl.int64), axis=0)
+        n_inf += tl.sum(is_inf.to(tl.int64), axis=0)
+        n_nan += tl.sum(is_nan.to(tl.int64), axis=0)
+        if HAS_FALLBACK:
+            repaired_head = tl.load(
+                fallback_ptr
+                + i * fallback_stride_l
+                + rows[:, None] * fallback_stride_b
+                + heads[None, :] * fallback_stride_h,
                 mask=ok,
-                other=0.0,
-            ).to(tl.float32)
-            is_nan = ok & (value != value)
-            is_inf = ok & (value == float("inf"))
-            finite = ok & (tl.abs(value) < float("inf"))
-            n_samples += tl.sum(ok.to(tl.int64), axis=0)
-            n_covered += tl.sum((ok & (value <= tau)).to(tl.int64), axis=0)
-            n_vacuous += tl.sum((finite & (value >= 1.0)).to(tl.int64), axis=0)
-            n_inf += tl.sum(is_inf.to(tl.int64), axis=0)
-            n_nan += tl.sum(is_nan.to(tl.int64), axis=0)
-            if HAS_FALLBACK:
-                repaired_head = tl.load(
-                    fallback_ptr
-                    + i * fallback_stride_l
-                    + rows[:, None] * fallback_stride_b
-                    + heads[None, :] * fallback_stride_h,
-                    mask=ok,
-                    other=0,
-                )
-                n_fallback += tl.sum((ok & (repaired_head != 0)).to(tl.int64), axis=0)
-            if HAS_REPAIRED:
-                n_repaired += tl.sum(
-                    tl.load(
-                        repaired_ptr
-                        + i * repaired_stride_l
-                        + rows[:, None] * repaired_stride_b
-                        + heads[None, :] * repaired_stride_h,
-                        mask=ok,
-                        other=0,
-                    ).to(tl.int64),
-                    axis=0,
-                )
-            # Sampling is a mask, not a branch: the same instructions run at every step.
-            keep = finite & sampled[None, :]
-            bucket = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.int32)
-            for j in tl.static_range(NUM_BOUNDS):
-                bucket += (value > tl.load(bounds_ptr + j)).to(tl.int32)
-            hist_index = (layer * NUM_HEADS + heads[None, :]) * (NUM_BOUNDS + 1) + bucket
-            tl.atomic_add(hist_ptr + hist_index, tl.full([BLOCK_B, BLOCK_H], 1, dtype=tl.int64), mask=keep)
-            finite_sum += tl.sum(tl.where(keep, value, 0.0).to(tl.float64), axis=0)
-            finite_min = tl.minimum(finite_min, tl.min(tl.where(keep, value, float("inf")), axis=0))
-            finite_max = tl.maximum(finite_max, tl.max(tl.where(keep, value, float("-inf")), axis=0))
-            row_max = tl.maximum(row_max, tl.max(tl.where(ok & ~is_nan, value, float("-inf")), axis=0))
-            any_nan = tl.maximum(any_nan, tl.max(is_nan.to(tl.int32), axis=0))
-        cell = layer * NUM_HEADS + heads
-        cells = NUM_LAYERS * NUM_HEADS
-        _add_to_cells(counts_ptr + cell, n_samples, head_ok)
-        _add_to_cells(counts_ptr + cells + cell, n_covered, head_ok)
-        _add_to_cells(counts_ptr + 2 * cells + cell, n_vacuous, head_ok)
-        _add_to_cells(counts_ptr + 3 * cells + cell, n_inf, head_ok)
-        _add_to_cells(counts_ptr + 4 * cells + cell, n_nan, head_ok)
-        _add_to_cells(counts_ptr + 5 * cells + cell, n_fallback, head_ok)
-        _add_to_cells(counts_ptr + 6 * cells + cell, n_repaired, head_ok)
-        _add_to_cells(hist_sum_ptr + cell, finite_sum, head_ok)
-        tl.store(
-            hist_min_ptr + cell,
-            tl.minimum(tl.load(hist_min_ptr + cell, mask=head_ok), finite_min.to(tl.float64)),
-            mask=head_ok,
-        )
-        tl.store(
-            hist_max_ptr + cell,
-            tl.maximum(tl.load(hist_max_ptr + cell, mask=head_ok), finite_max.to(tl.float64)),
-            mask=head_ok,
-        )
-        write_ring = head_ok & sampled & ((tl.zeros([BLOCK_H], dtype=tl.int32) + rows_limit) > 0)
-        slot = (written + heads) % ring_capacity
-        raw = tl.where(any_nan > 0, float("nan"), row_max).to(tl.float64)
-        tl.store(ring_value_ptr + slot, raw, mask=write_ring)
-        tl.store(ring_layer_ptr + slot, tl.zeros([BLOCK_H], dtype=tl.int64) + layer, mask=write_ring)
-        tl.store(ring_head_ptr + slot, heads.to(tl.int64), mask=write_ring)
-        tl.store(ring_step_ptr + slot, step_of_head, mask=write_ring)
-        written = written + tl.sum(write_ring.to(tl.int64), axis=0)
-    tl.store(written_ptr, written)
+                other=0,
+            )
+            n_fallback += tl.sum((ok & (repaired_head != 0)).to(tl.int64), axis=0)
+        if HAS_REPAIRED:
+            repaired = tl.load(
+                repaired_ptr
+                + i * repaired_stride_l
+                + rows[:, None] * repaired_stride_b
+                + heads[None, :] * repaired_stride_h,
+                mask=ok,
+                other=0,
+            )
+            n_repaired += tl.sum(repaired.to(tl.int64), axis=0)
+        # Sampling is a mask, not a branch: the same instructions run at every step.
+        keep = finite & sampled[None, :]
+        bucket = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.int32)
+        for j in tl.static_range(NUM_BOUNDS):
+            bucket += (value > tl.load(bounds_ptr + j)).to(tl.int32)
+        hist_index = (layer * NUM_HEADS + heads[None, :]) * (NUM_BOUNDS + 1) + bucket
+        tl.atomic_add(hist_ptr + hist_index, tl.full([BLOCK_B, BLOCK_H], 1, dtype=tl.int64), mask=keep)
+        finite_sum += tl.sum(tl.where(keep, value, 0.0).to(tl.float64), axis=0)
+        finite_min = tl.minimum(finite_min, tl.min(tl.where(keep, value, float("inf")), axis=0))
+        finite_max = tl.maximum(finite_max, tl.max(tl.where(keep, value, float("-inf")), axis=0))
+        row_max = tl.maximum(row_max, tl.max(tl.where(ok & ~is_nan, value, float("-inf")), axis=0))
+        any_nan = tl.maximum(any_nan, tl.max(is_nan.to(tl.int32), axis=0))
+
+    cell = layer * NUM_HEADS + heads
+    cells = NUM_LAYERS * NUM_HEADS
+    _add_to_cells(counts_ptr + cell, n_samples, head_ok)
+    _add_to_cells(counts_ptr + cells + cell, n_covered, head_ok)
+    _add_to_cells(counts_ptr + 2 * cells + cell, n_vacuous, head_ok)
+    _add_to_cells(counts_ptr + 3 * cells + cell, n_inf, head_ok)
+    _add_to_cells(counts_ptr + 4 * cells + cell, n_nan, head_ok)
+    _add_to_cells(counts_ptr + 5 * cells + cell, n_fallback, head_ok)
+    _add_to_cells(counts_ptr + 6 * cells + cell, n_repaired, head_ok)
+    _add_to_cells(hist_sum_ptr + cell, finite_sum, head_ok)
+    tl.store(
+        hist_min_ptr + cell,
+        tl.minimum(tl.load(hist_min_ptr + cell, mask=head_ok), finite_min.to(tl.float64)),
+        mask=head_ok,
+    )
+    tl.store(
+        hist_max_ptr + cell,
+        tl.maximum(tl.load(hist_max_ptr + cell, mask=head_ok), finite_max.to(tl.float64)),
+        mask=head_ok,
+    )
+
+    # Whether the ring is written is the same for every layer of the call (same step, same active rows).
+    write_ring = head_ok & sampled & ((tl.zeros([BLOCK_H], dtype=tl.int32) + rows_limit) > 0)
+    slot = (written + i * NUM_HEADS + heads) % ring_capacity
+    raw = tl.where(any_nan > 0, float("nan"), row_max).to(tl.float64)
+    tl.store(ring_value_ptr + slot, raw, mask=write_ring)
+    tl.store(ring_layer_ptr + slot, tl.zeros([BLOCK_H], dtype=tl.int64) + layer, mask=write_ring)
+    tl.store(ring_head_ptr + slot, heads.to(tl.int64), mask=write_ring)
+    tl.store(ring_step_ptr + slot, step_of_head, mask=write_ring)
+
+    if SINGLE_PROGRAM:
+        last = True
+    else:
+        last = tl.atomic_add(arrivals_ptr, 1) == num_layers_in_call - 1  # acq_rel: after everyone's reads
+    if last:
+        if ADVANCE_STEP:
+            tl.store(step_ptr, step + 1)
+        tl.store(written_ptr, written + num_layers_in_call * tl.sum(write_ring.to(tl.int64), axis=0))
+        if not SINGLE_PROGRAM:
+            tl.store(arrivals_ptr, 0)
 
 
 def _check_per_row(name: str, tensor: torch.Tensor | None, shape: torch.Size, device: torch.device) -> None:
@@ -408,6 +420,7 @@ class CertificateAggregator:
         cell_shape = (num_layers, num_q_heads)
         self._step = views["step"].view(())
         self._written = views["ring_written"].view(())
+        self._arrivals = views["arrivals"].view(())
         self._counts = views["counts"].view(_NUM_COUNTERS, *cell_shape)
         self._hist = views["hist_counts"].view(*cell_shape, self.layout.num_buckets)
         self._hist_sum = views["hist_sum"].view(cell_shape)
@@ -421,8 +434,9 @@ class CertificateAggregator:
         self._bounds = torch.tensor(bounds, dtype=torch.float32, device=self.device)
         self._tau32 = torch.tensor(self.tau, dtype=torch.float32, device=self.device)
         self._block_h = triton.next_power_of_2(num_q_heads)
-        # A fixed row block keeps one compiled kernel for every batch size (rows are looped over).
-        self._block_b = max(1, 2048 // self._block_h)
+        # Rows beyond one block are looped over; the block follows the batch up to this cap, so a few
+        # power-of-two variants are compiled, and a batch of 1 does not pay for a tile of 64 rows.
+        self._block_b_max = max(1, 2048 // self._block_h)
 
     @property
     def state(self) -> torch.Tensor:
@@ -537,7 +551,7 @@ class CertificateAggregator:
         # Absent inputs point at the certificate: the kernel never reads them (constexpr flags).
         fallback_arg = certificates if fallback is None else fallback
         repaired_arg = certificates if repaired_bytes is None else repaired_bytes
-        _observe_kernel[(1,)](
+        _observe_kernel[(num_in_call,)](
             certificates,
             *certificates.stride(),
             fallback_arg,
@@ -548,6 +562,7 @@ class CertificateAggregator:
             self._bounds,
             self._step,
             self._written,
+            self._arrivals,
             self._counts,
             self._hist,
             self._hist_sum,
@@ -570,7 +585,8 @@ class CertificateAggregator:
             HAS_REPAIRED=repaired_bytes is not None,
             HAS_ACTIVE_ROWS=active_rows is not None,
             ADVANCE_STEP=advance,
-            BLOCK_B=self._block_b,
+            SINGLE_PROGRAM=num_in_call == 1,
+            BLOCK_B=min(triton.next_power_of_2(num_rows), self._block_b_max),
             BLOCK_H=self._block_h,
         )
 
