@@ -186,6 +186,38 @@ class KVPool:
                 BLOCK_T=_WRITE_BLOCK_TOKENS,
             )
 
+    def dither_fields(self, layer: int, slots: torch.Tensor, kind: reference.Kind, kv_head: int) -> torch.Tensor:
+        """The dither fields ``[N, D]`` (int32) the Triton kernels regenerate for one head: what
+        ``reference.dither_fields`` must equal, bit for bit (``selftest`` and the tests compare them)."""
+        self._check_layer(layer)
+        slots = self._check_slots(slots)
+        if not 0 <= kv_head < self.kv_heads or kind not in SIDES:
+            raise ValueError(f"kv_head must be in [0, {self.kv_heads}) and kind 'k' or 'v'")
+        if select_path(self.device) == "reference":
+            return reference.dither_fields(
+                seed=self.seed,
+                layer=layer,
+                slots=slots,
+                num_kv_heads=self.kv_heads,
+                head_dim=self.head_dim,
+                kind=kind,
+                dither_bits=self.dither_bits,
+            )[:, kv_head].to(torch.int32)
+        fields = torch.empty(slots.shape[0], self.head_dim, dtype=torch.int32, device=self.device)
+        if slots.numel():
+            kernels_module()._dither_fields_kernel[(triton_cdiv(slots.shape[0], _WRITE_BLOCK_TOKENS),)](
+                slots,
+                fields,
+                slots.shape[0],
+                self.seed,
+                layer,
+                kv_head | (SIDES.index(kind) << 31),
+                HEAD_DIM=self.head_dim,
+                DITHER_BITS=self.dither_bits,
+                BLOCK_T=_WRITE_BLOCK_TOKENS,
+            )
+        return fields
+
     def _write_reference(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = slots.to(torch.int64)
         for side, (kind, x) in enumerate(zip(SIDES, (k, v), strict=True)):

@@ -1,0 +1,92 @@
+"""Shared builders for the kernel contract tests (CPU interpreter and GPU): pools, paged layouts, oracles."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from witcert.kernels import KVPool, reference
+
+
+def paged_slots(total_tokens: int, num_slots: int, page_size: int, generator: torch.Generator) -> torch.Tensor:
+    """Random non-contiguous slots for ``total_tokens`` tokens: whole pages in random order, in-page contiguous."""
+    pages = torch.randperm(num_slots // page_size, generator=generator)[: math.ceil(total_tokens / page_size)]
+    slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
+    return slots[:total_tokens]
+
+
+def filled_pool(
+    lengths: list[int],
+    *,
+    kv_heads: int,
+    head_dim: int = 128,
+    page_size: int = 1,
+    v_dither: bool = True,
+    outlier_channels: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    layer: int = 1,
+    key_scale: float = 1.0,
+) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
+    """A 2-layer pool with ``sum(lengths)`` random tokens written to ``layer``; returns (pool, indptr, slots)."""
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    num_slots = page_size * (math.ceil(total / page_size) + 8)
+    pool = KVPool(
+        num_slots,
+        2,
+        kv_heads,
+        head_dim,
+        seed=seed + 12345,
+        v_dither=v_dither,
+        page_size=page_size,
+        outlier_channels=outlier_channels,
+        device=device,
+        dtype=dtype,
+    )
+    slots = paged_slots(total, num_slots, page_size, generator)
+    k = (torch.randn(total, kv_heads, head_dim, generator=generator) * key_scale).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=generator).to(dtype)
+    if outlier_channels is not None:
+        k[:, :, outlier_channels] *= 20.0
+    pool.write(layer, slots.to(device), k.to(device), v.to(device))
+    indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return pool, indptr.to(device), slots.to(device)
+
+
+def oracle(
+    q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, *, delta: float
+) -> reference.DecodeResult:
+    """The reference decode of one query row ``[H_q, D]`` over ``slots`` of the pool (float32, on CPU)."""
+    return reference.decode_attention(
+        q.float().cpu(),
+        pool.quantized(layer, slots, "k"),
+        pool.quantized(layer, slots, "v"),
+        delta_step=delta,
+    )
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float().cpu() - expected).norm() / expected.norm())
+
+
+def assert_matches_oracle(result, q, pool, layer, indptr, slots, *, delta, out_tol=1e-5, cert_tol=1e-4) -> None:
+    """Every row: out within ``out_tol`` (relative, norm), certificate within ``cert_tol`` (relative, each head)."""
+    for row in range(q.shape[0]):
+        row_slots = slots[int(indptr[row]) : int(indptr[row + 1])]
+        if row_slots.numel() == 0:
+            assert torch.all(result.out[row] == 0)
+            assert torch.all(result.lse[row] == -math.inf)
+            assert torch.all(result.certificate[row] == 0)
+            continue
+        expected = oracle(q[row], pool, layer, row_slots, delta=delta)
+        assert relative_error(result.out[row], expected.out) <= out_tol, f"row {row}"
+        torch.testing.assert_close(result.lse[row].cpu(), expected.lse, rtol=1e-6, atol=1e-5)
+        certificate = result.certificate[row].cpu()
+        assert not torch.isnan(certificate).any()
+        torch.testing.assert_close(certificate, expected.certificate, rtol=cert_tol, atol=0.0)
+        acc = expected.accumulators
+        torch.testing.assert_close(result.p_max[row].cpu(), acc.p_max, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(result.u_max[row].cpu(), acc.u_max, rtol=1e-5, atol=0.0)

@@ -1,0 +1,249 @@
+"""Kernel contract tests on CPU: the Triton kernels in the interpreter against the reference oracle.
+
+Shapes are small and blocks big (the interpreter costs per program launched, not per element).
+The same contracts run at larger shapes on the GPU in test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+# Must precede the first import of the Triton kernels (triton.jit reads it at decoration time).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from kernel_cases import assert_matches_oracle, filled_pool, oracle, paged_slots, relative_error  # noqa: E402
+
+from witcert.kernels import (  # noqa: E402
+    KVPool,
+    decode_attention,
+    decode_attention_fp16,
+    extend_attention,
+    reference,
+    select_path,
+)
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
+    reason="runs the Triton interpreter on CPU (GPU runs are in test_kernels_gpu.py)",
+)
+
+DELTA = reference.delta_step(28, 28)
+
+
+def _query(rows: int, heads: int, head_dim: int = 128, seed: int = 7, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, heads, head_dim, generator=generator) * scale).half()
+
+
+# --- write ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dither_bits", "outliers", "v_dither"),
+    [(8, False, True), (8, True, False), (16, True, True), (24, False, True)],
+)
+def test_write_is_bit_identical_to_reference(dither_bits, outliers, v_dither):
+    generator = torch.Generator().manual_seed(dither_bits)
+    kv_heads, head_dim, tokens = 2, 64, 45
+    channels = reference.rope_pair_channels([3, 17], head_dim) if outliers else None
+    pool = KVPool(
+        96, 2, kv_heads, head_dim, group_size=16, outlier_channels=channels, seed=2**40 + 5,
+        dither_bits=dither_bits, v_dither=v_dither, device="cpu",
+    )  # fmt: skip
+    slots = torch.randperm(96, generator=generator)[:tokens]
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=generator) * 3).half()
+    v = torch.randn(tokens, kv_heads, head_dim, generator=generator).half()
+    k[0] = 0.0  # an all-zero token: scale 0, codes 0
+    pool.write(1, slots, k, v)
+    for side, (kind, x) in enumerate((("k", k), ("v", v))):
+        expected = reference.quantize(
+            x, seed=pool.seed, layer=1, slots=slots, kind=kind, group_size=16, outlier_channels=channels,
+            dither_bits=dither_bits, dither=kind == "k" or v_dither,
+        )  # fmt: skip
+        assert torch.equal(pool.scales[1, side, slots], expected.scales)
+        assert torch.equal(pool.codes[1, side, slots], expected.codes)
+        assert torch.equal(pool.outlier_values[1, side, slots], expected.outlier_values)
+        # Nothing clipped: every code within [-127, 127] and every error within s/2.
+        assert int(pool.codes[1, side].abs().max()) <= 127
+        error = (pool.dequantize(1, slots, kind) - x.float()).abs()
+        assert bool((error <= pool.quantized(1, slots, kind).channel_scales() / 2).all())
+    untouched = torch.ones(96, dtype=torch.bool)
+    untouched[slots] = False
+    assert not pool.codes[1, :, untouched].any() and not pool.codes[0].any()
+
+
+@pytest.mark.parametrize("dither_bits", [8, 16, 24])
+def test_regenerated_dither_is_bit_identical_to_reference(dither_bits):
+    pool = KVPool(4096, 3, 3, 64, group_size=16, seed=2**63 + 11, dither_bits=dither_bits, device="cpu")
+    slots = torch.tensor([0, 1, 77, 4095, 2048, 1023])
+    for kind in ("k", "v"):
+        expected = reference.dither_fields(
+            seed=pool.seed, layer=2, slots=slots, num_kv_heads=3, head_dim=64, kind=kind, dither_bits=dither_bits
+        )
+        for head in range(3):
+            assert torch.equal(pool.dither_fields(2, slots, kind, head).long(), expected[:, head])
+    # K and V streams differ.
+    assert not torch.equal(pool.dither_fields(2, slots, "k", 0), pool.dither_fields(2, slots, "v", 0))
+
+
+def test_bytes_per_token_counts_codes_scales_and_outliers():
+    pool = KVPool(16, 28, 4, 128, outlier_channels=reference.rope_pair_channels([0, 5], 128), device="cpu")
+    assert pool.bytes_per_token == 28 * 2 * 4 * (128 + 2 * 4 + 2 * 4)
+    assert pool.bytes_per_token == 28 * 2 * 4 * pool.quantized(0, torch.tensor([0]), "k").bytes_per_token_head
+
+
+# --- decode --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "page_size", "v_dither", "splits"),
+    [(2, 7, 1, True, 3), (2, 7, 16, False, 4), (4, 1, 16, True, 2)],
+    ids=["gqa7-page1-vdither", "gqa7-page16-vnearest", "mha-page16"],
+)
+def test_decode_matches_reference(kv_heads, group, page_size, v_dither, splits):
+    lengths = [150, 1, 0, 37]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=kv_heads, page_size=page_size, v_dither=v_dither)
+    q = _query(len(lengths), kv_heads * group)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+    assert result.path == "triton-interpreter"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+def test_decode_with_outlier_channels_matches_reference():
+    channels = reference.rope_pair_channels([2, 40], 128)
+    lengths = [90, 20]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=2, outlier_channels=channels)
+    q = _query(2, 4)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+def test_certificate_is_inf_where_the_reference_overflows_never_nan():
+    lengths = [40, 30]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=1, key_scale=2000.0)
+    q = _query(2, 2, scale=300.0)
+    q[1] = q[1] / 3000.0  # the second row stays finite
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    first = oracle(q[0], pool, 1, slots[:40], delta=DELTA)
+    assert torch.isinf(first.certificate).all()
+    assert torch.isinf(result.certificate[0]).all() and (result.certificate[0] > 0).all()
+    assert torch.isfinite(result.certificate[1]).all()
+    assert not torch.isnan(result.certificate).any() and not torch.isnan(result.out).any()
+    second = oracle(q[1], pool, 1, slots[40:], delta=DELTA)
+    torch.testing.assert_close(result.certificate[1], second.certificate, rtol=1e-4, atol=0.0)
+
+
+def test_decode_without_certificate_gives_the_same_output():
+    pool, indptr, slots = filled_pool([70, 5], kv_heads=2)
+    q = _query(2, 14)
+    with_cert = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    without = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2, certificate=False)
+    assert without.certificate is None
+    assert torch.equal(with_cert.out, without.out) and torch.equal(with_cert.lse, without.lse)
+
+
+def test_reference_fallback_agrees_with_the_kernels(monkeypatch, caplog):
+    pool, indptr, slots = filled_pool([33, 64], kv_heads=2)
+    q = _query(2, 14)
+    kernel = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fallback = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
+    assert fallback.path == "reference"
+    assert relative_error(kernel.out[0], fallback.out[0]) < 1e-5
+    torch.testing.assert_close(kernel.certificate, fallback.certificate, rtol=1e-4, atol=0.0)
+
+
+def test_fp16_baseline_matches_exact_attention():
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, group, lengths = 2, 7, [100, 9]
+    k_cache = torch.randn(200, kv_heads, 128, generator=generator).half()
+    v_cache = torch.randn(200, kv_heads, 128, generator=generator).half()
+    slots = torch.randperm(200, generator=generator)[: sum(lengths)]
+    indptr = torch.tensor([0, lengths[0], sum(lengths)])
+    q = _query(2, kv_heads * group)
+    out, lse = decode_attention_fp16(q, k_cache, v_cache, indptr, slots, num_kv_splits=2)
+    for row in range(2):
+        row_slots = slots[indptr[row] : indptr[row + 1]]
+        k = k_cache[row_slots].float().repeat_interleave(group, dim=1)
+        v = v_cache[row_slots].float().repeat_interleave(group, dim=1)
+        logits = torch.einsum("hd,shd->hs", q[row].float(), k) / math.sqrt(128)
+        expected = torch.einsum("hs,shd->hd", logits.softmax(-1), v)
+        # Probabilities are rounded to fp16 before the PV product, as in any fp16 kernel.
+        assert relative_error(out[row], expected) < 2e-3
+        torch.testing.assert_close(lse[row], logits.logsumexp(-1), rtol=1e-5, atol=1e-4)
+
+
+# --- extend --------------------------------------------------------------------------------------------
+
+
+def test_extend_over_a_quantized_prefix_is_causal_and_matches_reference():
+    prefix, new = [20, 0], [3, 4]
+    lengths = [p + n for p, n in zip(prefix, new, strict=True)]
+    pool, kv_indptr, slots = filled_pool(lengths, kv_heads=2)
+    qo_indptr = torch.tensor([0, 3, 7], dtype=torch.int32)
+    q = _query(7, 14)
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    for row in range(7):
+        sequence = 0 if row < 3 else 1
+        position = row - int(qo_indptr[sequence])
+        start = int(kv_indptr[sequence])
+        visible = slots[start : start + prefix[sequence] + position + 1]
+        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+        assert relative_error(result.out[row], expected.out) < 1e-5
+        torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    pool, indptr, slots = filled_pool([10, 5], kv_heads=2)
+    q = _query(2, 14)
+    with pytest.raises(TypeError, match="dtype"):
+        decode_attention(q.float(), pool, 1, indptr, slots, delta_step=DELTA)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_attention(q[:, :, :64], pool, 1, indptr, slots, delta_step=DELTA)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        decode_attention(q[:, :3], pool, 1, indptr, slots, delta_step=DELTA)
+    with pytest.raises(ValueError, match="B \\+ 1"):
+        decode_attention(q, pool, 1, indptr[:2], slots, delta_step=DELTA)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        decode_attention(q, pool, 1, torch.tensor([0, 12, 10]), slots, delta_step=DELTA)
+    with pytest.raises(ValueError, match="exceeds"):
+        decode_attention(q, pool, 1, torch.tensor([0, 10, 99]), slots, delta_step=DELTA)
+    with pytest.raises(ValueError, match="slots in"):
+        decode_attention(q, pool, 1, indptr, torch.full_like(slots, pool.num_slots), delta_step=DELTA)
+    with pytest.raises(ValueError, match="layer"):
+        decode_attention(q, pool, 2, indptr, slots, delta_step=DELTA)
+    with pytest.raises(ValueError, match="delta_step"):
+        decode_attention(q, pool, 1, indptr, slots, delta_step=0.0)
+    with pytest.raises(TypeError, match="int32/int64"):
+        decode_attention(q, pool, 1, indptr.float(), slots, delta_step=DELTA)
+    k = torch.zeros(2, 2, 128, dtype=torch.float16)
+    with pytest.raises(TypeError, match="pool's dtype"):
+        pool.write(1, torch.tensor([0, 1]), k.float(), k.float())
+    with pytest.raises(ValueError, match="slots must lie"):
+        pool.write(1, torch.tensor([0, pool.num_slots]), k, k)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        pool.write(1, torch.tensor([0, 1]), k.clone().fill_(math.nan), k)
+    with pytest.raises(ValueError, match="must be \\[N"):
+        pool.write(1, torch.tensor([0, 1]), k[:, :1], k[:, :1])
+
+
+def test_malformed_rows_without_validation_are_poisoned_not_read():
+    pool, indptr, slots = filled_pool([10, 5], kv_heads=2)
+    q = _query(2, 14)
+    bad_slots = slots.clone()
+    bad_slots[12] = 10**6  # row 1 reads an out-of-range slot
+    result = decode_attention(q, pool, 1, indptr, bad_slots, delta_step=DELTA, validate=False, num_kv_splits=2)
+    assert torch.isnan(result.certificate[1]).all() and torch.isnan(result.out[1]).all()
+    assert_matches_oracle(result, q[:1], pool, 1, indptr[:2], slots[:10], delta=DELTA)
+
+
+def test_paged_slots_fill_whole_pages():
+    slots = paged_slots(40, 128, 16, torch.Generator().manual_seed(0))
+    assert slots.unique().numel() == 40
+    assert bool(((slots[1:16] - slots[:15]) == 1).all())
