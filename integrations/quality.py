@@ -79,7 +79,7 @@ class HeadAudit:
         for b in range(query.shape[0]):
             q = query[b].double()
             exact = cache.exact_keys(layer, b).double()[:, kv_of_q, :]
-            read = cache.quantized_keys(layer, b).double()[:, kv_of_q, :]
+            read = cache.keys_read(layer, b).double()[:, kv_of_q, :]
             p = torch.softmax(sm_scale * torch.einsum("hd,shd->hs", q, exact), dim=-1)
             p_tilde = torch.softmax(sm_scale * torch.einsum("hd,shd->hs", q, read), dim=-1)
             tvs.append(reference.total_variation(p, p_tilde))

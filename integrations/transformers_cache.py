@@ -31,8 +31,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from witcert.integrations.gating import CachePolicy, GateMode, certified_decode
-from witcert.kernels import reference
+from witcert.integrations.gating import CachePolicy, GateMode, SequenceDecode, certified_decode
+from witcert.kernels import KVPool, decode_attention, reference
 
 ATTENTION_NAME = "witcert"
 
@@ -55,75 +55,6 @@ class DecodeAudit(Protocol):
     def __call__(
         self, cache: WitcertCache, layer: int, query: torch.Tensor, certificate: torch.Tensor, sm_scale: float
     ) -> None: ...
-
-
-class _ReferencePool:
-    """Int8 dithered K/V storage for every layer, quantized with the reference quantizer."""
-
-    def __init__(
-        self,
-        num_slots: int,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        policy: CachePolicy,
-        outlier_channels: torch.Tensor | None,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        if not policy.v_dither:
-            raise ValueError("v_dither=False needs the witcert.kernels KVPool; the reference pool dithers V")
-        self.policy = policy
-        self.outlier_channels = reference._check_outlier_channels(outlier_channels, kv_heads, head_dim, device)
-        groups = head_dim // policy.group_size
-        outliers = self.outlier_channels.shape[-1]
-        self._codes = {
-            kind: torch.zeros(num_layers, num_slots, kv_heads, head_dim, dtype=torch.int8, device=device)
-            for kind in ("k", "v")
-        }
-        self._scales = {
-            kind: torch.zeros(num_layers, num_slots, kv_heads, groups, dtype=torch.float16, device=device)
-            for kind in ("k", "v")
-        }
-        self._outliers = {
-            kind: torch.zeros(num_layers, num_slots, kv_heads, outliers, dtype=dtype, device=device)
-            for kind in ("k", "v")
-        }
-        self.bytes_per_token = num_layers * kv_heads * 2 * (head_dim + 2 * groups + outliers * dtype.itemsize)
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        for kind, x in (("k", k), ("v", v)):
-            quantized = reference.quantize(
-                x,
-                seed=self.policy.seed,
-                layer=layer,
-                slots=slots,
-                kind=kind,
-                group_size=self.policy.group_size,
-                outlier_channels=self.outlier_channels,
-                dither_bits=self.policy.dither_bits,
-            )
-            self._codes[kind][layer, slots] = quantized.codes
-            self._scales[kind][layer, slots] = quantized.scales
-            self._outliers[kind][layer, slots] = quantized.outlier_values
-
-    def quantized(self, layer: int, slots: torch.Tensor, kind: reference.Kind) -> reference.QuantizedKV:
-        return reference.QuantizedKV(
-            codes=self._codes[kind][layer, slots],
-            scales=self._scales[kind][layer, slots],
-            outlier_values=self._outliers[kind][layer, slots],
-            outlier_channels=self.outlier_channels,
-            slots=slots.to(torch.int64),
-            seed=self.policy.seed,
-            layer=layer,
-            kind=kind,
-            group_size=self.policy.group_size,
-            dither_bits=self.policy.dither_bits,
-        )
-
-    def dequantize(self, layer: int, slots: torch.Tensor, kind: reference.Kind) -> torch.Tensor:
-        return self.quantized(layer, slots, kind).dequantize(torch.float32)
 
 
 class _RepairedSlots:
@@ -228,10 +159,11 @@ class WitcertCache(Cache):
         self.certificate_total = torch.zeros((), dtype=torch.int64)
         self.fallback_total = torch.zeros((), dtype=torch.int64)
         self.repaired_bytes_total = torch.zeros((), dtype=torch.int64)
-        self.pool: _ReferencePool | None = None
+        self.pool: KVPool | None = None
         self.backup: dict[str, torch.Tensor] | None = None
         self.repaired: list[_RepairedSlots] = []
         self._returned: tuple[int, torch.Tensor] | None = None
+        self._repair_path_rows: dict[int, set[int]] = {}
 
     # --- storage ---------------------------------------------------------------------------------
 
@@ -257,24 +189,31 @@ class WitcertCache(Cache):
             # The lowest-frequency RoPE pairs are where post-RoPE keys carry their outlier channels.
             pairs = list(range(head_dim // 2 - self.policy.outlier_pairs, head_dim // 2))
             outliers = reference.rope_pair_channels(pairs, head_dim).to(self.device)
-        self.pool = _ReferencePool(
+        # The pool stores fp16/bf16 activations; an fp32 model (CPU tests) is cached as fp16.
+        self.cache_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float16
+        self.pool = KVPool(
             num_slots,
             self.num_layers,
             kv_heads,
             head_dim,
-            policy=self.policy,
+            group_size=self.policy.group_size,
             outlier_channels=outliers,
+            seed=self.policy.seed,
+            dither_bits=self.policy.dither_bits,
+            v_dither=self.policy.v_dither,
             device=self.device,
-            dtype=self.dtype,
+            dtype=self.cache_dtype,
         )
         if self.keep_exact:
             pin = self.device.type == "cuda"
             self.backup = {
-                kind: torch.empty(self.num_layers, num_slots, kv_heads, head_dim, dtype=self.dtype, pin_memory=pin)
+                kind: torch.empty(
+                    self.num_layers, num_slots, kv_heads, head_dim, dtype=self.cache_dtype, pin_memory=pin
+                )
                 for kind in ("k", "v")
             }
         self.repaired = [
-            _RepairedSlots(num_slots, kv_heads, head_dim, self.device, self.dtype) for _ in range(self.num_layers)
+            _RepairedSlots(num_slots, kv_heads, head_dim, self.device, self.cache_dtype) for _ in range(self.num_layers)
         ]
 
     def slots(self, batch_index: int, length: int) -> torch.Tensor:
@@ -303,13 +242,17 @@ class WitcertCache(Cache):
             raise ValueError(f"sequence length {start + new} exceeds max_cache_len={self.max_cache_len}")
         positions = torch.arange(start, start + new, device=self.device)
         slots = (torch.arange(batch, device=self.device)[:, None] * self.max_cache_len + positions).reshape(-1)
-        k_rows = k.transpose(1, 2).reshape(batch * new, self.kv_heads, head_dim)
-        v_rows = v.transpose(1, 2).reshape(batch * new, self.kv_heads, head_dim)
-        self.pool.write(layer, slots, k_rows, v_rows)
+        k_rows = k.transpose(1, 2).reshape(batch * new, self.kv_heads, head_dim).to(self.cache_dtype)
+        v_rows = v.transpose(1, 2).reshape(batch * new, self.kv_heads, head_dim).to(self.cache_dtype)
+        # Value checks (finite, in range) synchronise with the GPU: made on CPU only (docs/DEMO.md).
+        self.pool.write(layer, slots, k_rows, v_rows, validate=self.device.type != "cuda")
         if self.backup is not None:
-            host_slots = slots.cpu()
-            self.backup["k"][layer, host_slots] = k_rows.to("cpu", non_blocking=True)
-            self.backup["v"][layer, host_slots] = v_rows.to("cpu", non_blocking=True)
+            # Copies into slices of the pinned backup are truly asynchronous; readers synchronise first.
+            for b in range(batch):
+                first = b * self.max_cache_len + start
+                rows = slice(b * new, (b + 1) * new)
+                self.backup["k"][layer, first : first + new].copy_(k_rows[rows], non_blocking=True)
+                self.backup["v"][layer, first : first + new].copy_(v_rows[rows], non_blocking=True)
         state.length = start + new
 
         if new == 1:
@@ -340,9 +283,16 @@ class WitcertCache(Cache):
         length = self.layers[layer].length
         return self.backup["k"][layer, self.slots(batch_index, length).cpu()].to(self.device)
 
-    def quantized_keys(self, layer: int, batch_index: int) -> torch.Tensor:
-        """The keys the decode reads ``[S, H_kv, D]`` float32: dequantized, exact where repaired."""
-        return self._read_back(layer, batch_index, self.layers[layer].length)[0]
+    def keys_read(self, layer: int, batch_index: int) -> torch.Tensor:
+        """The keys ``[S, H_kv, D]`` (float32) the latest decode step of ``layer`` read for one row.
+
+        The kernel reads the dequantized pool; a row recomputed on the repair path read exact rows for
+        its repaired slots.
+        """
+        length = self.layers[layer].length
+        if batch_index in self._repair_path_rows.get(layer, ()):
+            return self._read_back(layer, batch_index, length)[0]
+        return self.pool.dequantize(layer, self.slots(batch_index, length), "k")
 
     # --- decode ----------------------------------------------------------------------------------
 
@@ -350,63 +300,91 @@ class WitcertCache(Cache):
         return self._returned is not None and self._returned[0] == layer and self._returned[1] is key
 
     def decode(self, layer: int, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
-        """Attention of one new token per sequence over the pool: ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``."""
+        """Attention of one new token per sequence over the pool: ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``.
+
+        The fused kernel reads every row. In gate mode, rows where some head's certificate exceeds tau
+        are recomputed on the repair path (exact rows for slots repaired earlier, more blocks paged in
+        as needed); a row whose kernel certificate is within tau keeps the kernel's result, which that
+        certificate covers, even if the row holds repaired slots.
+        """
         self._returned = None
-        batch = query.shape[0]
+        batch, num_q_heads, _ = query.shape
         length = self.layers[layer].length
-        gate = self.policy.mode is GateMode.GATE
-        outs, certificates, fallbacks, repaired_bytes = [], [], [], []
-        for b in range(batch):
-            slots = self.slots(b, length)
-            mask, exact_k, exact_v = self.repaired[layer].dense(slots)
-            host_slots = slots.cpu() if gate else None
-
-            def fetch(positions: torch.Tensor, kv_head: int, host_slots: torch.Tensor | None = host_slots):
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                picked = host_slots[positions.cpu()]
-                return (
-                    self.backup["k"][layer, picked, kv_head].to(self.device),
-                    self.backup["v"][layer, picked, kv_head].to(self.device),
-                )
-
-            result = certified_decode(
-                query[b],
-                self.pool.quantized(layer, slots, "k"),
-                self.pool.dequantize(layer, slots, "v"),
-                mask,
-                exact_k,
-                exact_v,
-                sm_scale=sm_scale,
-                delta=self.delta,
-                tau=self.policy.tau if gate else None,
-                fetch=fetch if gate else None,
-                block_size=self.policy.repair_block,
-            )
-            for kv_head, positions, k_exact, v_exact in result.repaired_positions:
-                self.repaired[layer].add(slots[positions], kv_head, k_exact, v_exact)
-            outs.append(result.out)
-            certificates.append(result.certificate)
-            fallbacks.append(result.fallback)
-            repaired_bytes.append(result.repaired_bytes)
+        mode = self.policy.mode
+        q = query.to(self.cache_dtype).contiguous()
+        kv_indices = (
+            torch.arange(batch, device=self.device)[:, None] * self.max_cache_len
+            + torch.arange(length, device=self.device)
+        ).reshape(-1)
+        kv_indptr = torch.arange(batch + 1, device=self.device) * length
+        result = decode_attention(
+            q,
+            self.pool,
+            layer,
+            kv_indptr,
+            kv_indices,
+            sm_scale=sm_scale,
+            delta_step=self.delta,
+            certificate=mode is not GateMode.OFF,
+        )
+        out, certificate = result.out, result.certificate
         if layer == 0:
             self.decode_steps += 1
-        certificate = torch.stack(certificates)
-        fallback = torch.stack(fallbacks)
-        repaired = torch.stack(repaired_bytes)
+        if mode is GateMode.OFF:
+            return out
+        fallback = repaired = None
+        if mode is GateMode.GATE:
+            fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
+            repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
+            over_rows = (~(certificate <= self.policy.tau)).any(-1).nonzero().squeeze(-1).tolist()
+            self._repair_path_rows[layer] = set(over_rows)
+            for b in over_rows:
+                row = self._repair_row(layer, b, length, q[b], sm_scale)
+                out[b], certificate[b], fallback[b], repaired[b] = (
+                    row.out,
+                    row.certificate,
+                    row.fallback,
+                    row.repaired_bytes,
+                )
+            self.fallback_total += fallback.sum()
+            self.repaired_bytes_total += repaired.sum()
         self.certificate_total += certificate.numel()
-        self.fallback_total += fallback.sum()
-        self.repaired_bytes_total += repaired.sum()
         if self.audit is not None:
-            self.audit(self, layer, query.float(), certificate, sm_scale)
-        if self.observer is not None and self.policy.mode is not GateMode.OFF:
-            self.observer.observe(
-                layer,
-                certificate,
-                fallback=fallback if gate else None,
-                repaired_bytes=repaired if gate else None,
+            self.audit(self, layer, q.float(), certificate, sm_scale)
+        if self.observer is not None:
+            self.observer.observe(layer, certificate, fallback=fallback, repaired_bytes=repaired)
+        return out
+
+    def _repair_row(self, layer: int, b: int, length: int, q: torch.Tensor, sm_scale: float) -> SequenceDecode:
+        slots = self.slots(b, length)
+        host_slots = slots.cpu()
+        mask, exact_k, exact_v = self.repaired[layer].dense(slots)
+
+        def fetch(positions: torch.Tensor, kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
+            picked = host_slots[positions.cpu()]
+            return (
+                self.backup["k"][layer, picked, kv_head].to(self.device),
+                self.backup["v"][layer, picked, kv_head].to(self.device),
             )
-        return torch.stack(outs)
+
+        row = certified_decode(
+            q.float(),
+            self.pool.quantized(layer, slots, "k"),
+            self.pool.dequantize(layer, slots, "v"),
+            mask,
+            exact_k,
+            exact_v,
+            sm_scale=sm_scale,
+            delta=self.delta,
+            tau=self.policy.tau,
+            fetch=fetch,
+            block_size=self.policy.repair_block,
+        )
+        for kv_head, positions, k_exact, v_exact in row.repaired_positions:
+            self.repaired[layer].add(slots[positions], kv_head, k_exact, v_exact)
+        return row
 
 
 def witcert_attention(

@@ -15,6 +15,14 @@ from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, u
 LAYERS, Q_HEADS, KV_HEADS = 2, 4, 2
 
 
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    # The Triton kernels are checked against the reference by the kernel tests; in the CPU interpreter one
+    # decode step costs about a second, so these integration tests take the reference path, which
+    # select_path chooses when TRITON_INTERPRET is off at call time.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 @pytest.fixture(scope="module")
 def model():
     model = random_model(layers=LAYERS, hidden=128, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=32, vocab=256)

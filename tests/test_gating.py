@@ -18,6 +18,14 @@ SM_SCALE = D**-0.5
 DELTA = reference.delta_step(28, H_Q)
 
 
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    # The Triton kernels are checked against the reference by the kernel tests; in the CPU interpreter one
+    # decode step costs about a second, so these integration tests take the reference path, which
+    # select_path chooses when TRITON_INTERPRET is off at call time.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def _head_inputs(seed: int = 0, sharpness: float = 3.0):
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(S, H_KV, D, generator=generator).to(torch.float16)
