@@ -13,6 +13,7 @@ from typing import Any
 
 from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaUnauthorizedError
+from niquests.exceptions import RequestException  # grafana-client's HTTP layer: network failures
 
 from .alerts import EVALUATION_INTERVAL_S, RULE_GROUP, alert_rules, alert_specs
 from .datasource import DATASOURCE_UID, PLUGIN_ID
@@ -62,12 +63,14 @@ def _exists(fetch: Any, *args: Any) -> bool:
 
 def _check_server(api: GrafanaApi, url: str) -> str:
     try:
-        health = api.health.check()
-    except GrafanaException as error:
-        raise PushError(f"cannot reach Grafana at {url}: {error.message}") from error
-    version = str(health.get("version", "")) if isinstance(health, dict) else ""
+        build_info = api.health.check()  # /api/frontend/settings: buildInfo, no login needed
+    except GrafanaClientError as error:
+        raise PushError(f"{url} does not answer like Grafana ({error.message}): is it a Grafana server?") from error
+    except (GrafanaException, RequestException) as error:
+        raise PushError(f"cannot reach Grafana at {url}: {error}") from error
+    version = str(build_info.get("version", "")) if isinstance(build_info, dict) else ""
     if not version:
-        raise PushError(f"{url} answered /api/health without a Grafana version: is it a Grafana server?")
+        raise PushError(f"{url} reported no Grafana version: is it a Grafana server?")
     if _version_tuple(version)[:2] < MINIMUM_GRAFANA:
         needed = ".".join(map(str, MINIMUM_GRAFANA))
         raise PushError(
@@ -153,6 +156,6 @@ def push(
                 f"(or a service account with the Admin role): {error.message}"
             ) from error
         raise PushError(f"Grafana at {url} refused the push: {error.message}") from error
-    except GrafanaException as error:
-        raise PushError(f"Grafana at {url} failed during the push: {error.message}") from error
+    except (GrafanaException, RequestException) as error:
+        raise PushError(f"Grafana at {url} failed during the push: {error}") from error
     return report

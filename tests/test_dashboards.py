@@ -313,9 +313,3 @@ def test_dashboard_validates_against_the_pinned_sdk_models():
         expected_format = QueryFormat.TIME_SERIES if spec.kind == "timeseries" else QueryFormat.TABLE
         assert {t.query_format for t in targets} == {expected_format}
     assert [v.name for v in model.templating.list_val] == ["model", "instance", "tau"]
-
-
-def test_cluster_ddl_is_the_collectors_output():
-    from witcert.collector.migrations import cluster_ddl
-
-    assert (REPO / "deploy/clickhouse/cluster.sql").read_text() == cluster_ddl("witcert", "default")
