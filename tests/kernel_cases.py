@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -56,14 +57,23 @@ def filled_pool(
     return pool, indptr.to(device), slots.to(device)
 
 
-def oracle(
-    q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, *, delta: float
-) -> reference.DecodeResult:
+def _on_cpu(quantized: reference.QuantizedKV) -> reference.QuantizedKV:
+    return dataclasses.replace(
+        quantized,
+        codes=quantized.codes.cpu(),
+        scales=quantized.scales.cpu(),
+        outlier_values=quantized.outlier_values.cpu(),
+        outlier_channels=quantized.outlier_channels.cpu(),
+        slots=quantized.slots.cpu(),
+    )
+
+
+def oracle(q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, *, delta: float) -> reference.DecodeResult:
     """The reference decode of one query row ``[H_q, D]`` over ``slots`` of the pool (float32, on CPU)."""
     return reference.decode_attention(
         q.float().cpu(),
-        pool.quantized(layer, slots, "k"),
-        pool.quantized(layer, slots, "v"),
+        _on_cpu(pool.quantized(layer, slots, "k")),
+        _on_cpu(pool.quantized(layer, slots, "v")),
         delta_step=delta,
     )
 

@@ -1,0 +1,176 @@
+"""Decode-attention and write-kernel benchmark on one GPU (the H200): writes a JSON results file.
+
+Method: Qwen2.5-7B decode shape (28 query heads, 4 KV heads, head_dim 128), one layer. For each
+(batch, context) every variant is timed in the same process, back to back, as the median of CUDA-graph
+replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
+
+* ``sdpa_cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` on a contiguous fp16 cache
+  ``[B, H_kv, S, D]`` with the cuDNN backend (GQA through ``enable_gqa``);
+* ``fp16_kernel``: our split-KV kernel over a paged fp16 cache (the same structure as ours, no quantization);
+* ``int8_nocert`` / ``int8_cert``: our int8 dithered kernel without / with the certificate
+  (``v_dither`` as given: K is always dithered);
+
+Inputs are rotated among enough copies that each timed call reads at least 512 MB, so the L2 (60 MB)
+cannot serve them. Bandwidth = bytes the variant must read (K and V codes, scales, indices; fp16
+for the fp16 variants) / median time; ``copy_tbps`` is a device-to-device copy (read + write) of
+2 GiB, the measured ceiling. The write kernel is timed on 1M tokens against a copy of its input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, reference
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
+ROTATE_BYTES = 512 * 2**20
+
+
+def _median_ms(fn) -> float:
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(2**29, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median"))
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
+
+
+def _rotations(bytes_per_copy: int) -> int:
+    return max(1, min(512, math.ceil(ROTATE_BYTES / bytes_per_copy)))
+
+
+def bench_decode(batch: int, context: int, v_dither: bool, delta: float) -> dict:
+    tokens = batch * context
+    fp16_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * 2
+    copies = _rotations(fp16_bytes)
+    generator = torch.Generator(device="cuda").manual_seed(batch * 1000003 + context)
+    row: dict = {"batch": batch, "context": context, "rotated_copies": copies}
+
+    q = [torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half() for _ in range(copies)]
+    indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * context
+    # Paged caches of `copies * tokens` slots; copy i uses slots [i * tokens, (i + 1) * tokens).
+    pool = KVPool(copies * tokens, 1, KV_HEADS, HEAD_DIM, v_dither=v_dither, device="cuda")
+    k_cache = torch.empty(copies * tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
+    v_cache = torch.empty_like(k_cache)
+    chunk = 2**20
+    for start in range(0, copies * tokens, chunk):
+        stop = min(start + chunk, copies * tokens)
+        k = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+        v = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+        k_cache[start:stop], v_cache[start:stop] = k, v
+        pool.write(0, torch.arange(start, stop, device="cuda"), k, v, validate=False)
+    indices = [torch.arange(i * tokens, (i + 1) * tokens, device="cuda", dtype=torch.int32) for i in range(copies)]
+    # SDPA's contiguous caches: [B, H_kv, S, D] views of the same values.
+    k_sdpa = [k_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+              .contiguous() for i in range(copies)]  # fmt: skip
+    v_sdpa = [v_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+              .contiguous() for i in range(copies)]  # fmt: skip
+    out = torch.empty(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
+    counter = {"i": 0}
+
+    def next_copy() -> int:
+        counter["i"] = (counter["i"] + 1) % copies
+        return counter["i"]
+
+    def sdpa() -> None:
+        i = next_copy()
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(q[i].unsqueeze(2), k_sdpa[i], v_sdpa[i], enable_gqa=True)
+
+    def fp16_kernel() -> None:
+        i = next_copy()
+        decode_attention_fp16(q[i], k_cache, v_cache, indptr, indices[i], out=out)
+
+    def int8(certificate: bool):
+        def run() -> None:
+            i = next_copy()
+            decode_attention(q[i], pool, 0, indptr, indices[i], delta_step=delta, out=out, certificate=certificate)
+
+        return run
+
+    int8_bytes = tokens * KV_HEADS * 2 * (HEAD_DIM + 2 * pool.num_groups) + tokens * 4
+    for name, fn, nbytes in (
+        ("sdpa_cudnn", sdpa, fp16_bytes),
+        ("fp16_kernel", fp16_kernel, fp16_bytes + tokens * 4),
+        ("int8_nocert", int8(False), int8_bytes),
+        ("int8_cert", int8(True), int8_bytes),
+    ):
+        try:
+            ms = _median_ms(fn)
+            row[name] = {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
+        except Exception as error:  # a backend refusing a shape is a result to report, not a crash
+            row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    return row
+
+
+def bench_write(tokens: int = 2**20) -> dict:
+    pool = KVPool(tokens, 1, KV_HEADS, HEAD_DIM, device="cuda")
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda").half()
+    v = torch.randn_like(k)
+    slots = torch.randperm(tokens, device="cuda")
+    k_copy, v_copy = torch.empty_like(k), torch.empty_like(v)
+    write_ms = float(triton.testing.do_bench(lambda: pool.write(0, slots, k, v, validate=False), rep=200,
+                                             return_mode="median"))  # fmt: skip
+    copy_ms = float(triton.testing.do_bench(lambda: (k_copy.copy_(k), v_copy.copy_(v)), rep=200,
+                                            return_mode="median"))  # fmt: skip
+    moved = 2 * tokens * KV_HEADS * (HEAD_DIM * 2 + HEAD_DIM + 2 * pool.num_groups) + tokens * 8
+    copied = 2 * 2 * tokens * KV_HEADS * HEAD_DIM * 2
+    return {
+        "tokens": tokens,
+        "write_ms": write_ms,
+        "write_tbps": moved / (write_ms * 1e-3) / 1e12,
+        "copy_ms": copy_ms,
+        "copy_tbps": copied / (copy_ms * 1e-3) / 1e12,
+        "write_over_copy_time": copy_ms / write_ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--v-dither", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--output", type=Path, default=Path("bench/results/kernels_h200.json"))
+    args = parser.parse_args()
+    delta = reference.delta_step(28, Q_HEADS)
+    results = {
+        "method": __doc__,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "copy_tbps": copy_bandwidth(),
+        "write": bench_write(),
+        "decode": [],
+    }
+    print(f"copy {results['copy_tbps']:.2f} TB/s; write {results['write']}", flush=True)
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.v_dither]
+    for v_dither in modes:
+        for batch in args.batches:
+            for context in args.contexts:
+                row = bench_decode(batch, context, v_dither, delta)
+                row["v_dither"] = v_dither
+                results["decode"].append(row)
+                cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in
+                         ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert")]  # fmt: skip
+                print(f"v_dither={v_dither} B={batch} S={context}: " + " ".join(cells), flush=True)
+                torch.cuda.empty_cache()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Kernel contracts on the GPU at larger shapes, and CUDA-graph replay (run on the H200: pytest -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import assert_matches_oracle, filled_pool, oracle, relative_error
+
+from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, extend_attention, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DELTA = reference.delta_step(28, 28)
+CUDA = torch.device("cuda")
+
+
+def _query(rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, heads, 128, generator=generator).to(dtype).to(CUDA)
+
+
+def test_write_and_dither_are_bit_identical_on_gpu():
+    generator = torch.Generator().manual_seed(0)
+    channels = reference.rope_pair_channels([1, 9], 128)
+    pool = KVPool(20000, 2, 4, 128, outlier_channels=channels, seed=2**50 + 3, v_dither=False, device=CUDA)
+    slots = torch.randperm(20000, generator=generator)[:6000]
+    k = (torch.randn(6000, 4, 128, generator=generator) * 2).half()
+    v = torch.randn(6000, 4, 128, generator=generator).half()
+    pool.write(1, slots.to(CUDA), k.to(CUDA), v.to(CUDA))
+    for side, (kind, x) in enumerate((("k", k), ("v", v))):
+        expected = reference.quantize(
+            x, seed=pool.seed, layer=1, slots=slots, kind=kind, outlier_channels=channels, dither_bits=8,
+            dither=kind == "k",
+        )  # fmt: skip
+        assert torch.equal(pool.codes[1, side, slots.to(CUDA)].cpu(), expected.codes)
+        assert torch.equal(pool.scales[1, side, slots.to(CUDA)].cpu(), expected.scales)
+        assert torch.equal(pool.outlier_values[1, side, slots.to(CUDA)].cpu(), expected.outlier_values)
+    fields = reference.dither_fields(
+        seed=pool.seed, layer=1, slots=slots[:500], num_kv_heads=4, head_dim=128, kind="k", dither_bits=8
+    )
+    assert torch.equal(pool.dither_fields(1, slots[:500].to(CUDA), "k", 3).long().cpu(), fields[:, 3])
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "page_size", "v_dither", "dtype"),
+    [
+        (4, 7, 1, True, torch.float16),
+        (4, 7, 16, False, torch.float16),
+        (4, 7, 16, False, torch.bfloat16),
+        (8, 1, 16, True, torch.float16),
+    ],
+    ids=["qwen-page1-vdither", "qwen-page16-vnearest", "qwen-bf16", "mha"],
+)
+def test_decode_matches_reference_on_gpu(kv_heads, group, page_size, v_dither, dtype):
+    lengths = [1, 4097, 0, 1500, 64]
+    pool, indptr, slots = filled_pool(
+        lengths, kv_heads=kv_heads, page_size=page_size, v_dither=v_dither, device=CUDA, dtype=dtype
+    )
+    q = _query(len(lengths), kv_heads * group, dtype=dtype)
+    for splits in (None, 5):
+        result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+        assert result.path == "triton-gpu"
+        assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+def test_extend_matches_reference_on_gpu():
+    prefix, new = [700, 0, 33], [5, 17, 1]
+    pool, kv_indptr, slots = filled_pool([p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, device=CUDA)
+    qo_indptr = torch.tensor([0, 5, 22, 23], device=CUDA)
+    q = _query(23, 28)
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA)
+    for row in (0, 4, 5, 21, 22):
+        sequence = 0 if row < 5 else (1 if row < 22 else 2)
+        position = row - int(qo_indptr[sequence])
+        start = int(kv_indptr[sequence])
+        visible = slots[start : start + prefix[sequence] + position + 1]
+        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+        assert relative_error(result.out[row], expected.out) < 1e-5
+        torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
+
+
+def test_cuda_graph_replay_is_bit_identical_to_eager():
+    capacity = [3000, 3000, 3000]
+    pool, _, slots = filled_pool(capacity, kv_heads=4, device=CUDA)
+    indptr = torch.tensor([0, 3000, 6000, 9000], device=CUDA, dtype=torch.int32)
+    static_q = _query(3, 28)
+    static_out = torch.empty(3, 28, 128, device=CUDA)
+
+    def step() -> object:
+        return decode_attention(static_q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=16, out=static_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for trial in range(4):
+        # New queries and new lengths each time: the graph must follow both, with no recapture.
+        static_q.copy_(_query(3, 28, seed=100 + trial))
+        ends = torch.tensor([0, 1 + 700 * trial, 3000 + 13 * trial, 6000 + 999 * trial], dtype=torch.int32)
+        indptr.copy_(ends.cumsum(0).to(torch.int32).clamp_max(9000))
+        graph.replay()
+        eager = decode_attention(static_q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=16)
+        torch.cuda.synchronize()
+        assert torch.equal(captured.out, eager.out)
+        assert torch.equal(captured.lse, eager.lse)
+        assert torch.equal(captured.certificate, eager.certificate)
+        assert torch.isfinite(captured.certificate).all()
+
+
+def test_malformed_rows_on_gpu_are_poisoned_without_a_device_fault():
+    pool, indptr, slots = filled_pool([100, 50], kv_heads=4, device=CUDA)
+    q = _query(2, 28)
+    bad = slots.clone()
+    bad[120] = 2**30
+    result = decode_attention(q, pool, 1, indptr, bad, delta_step=DELTA)
+    torch.cuda.synchronize()
+    assert torch.isnan(result.certificate[1]).all() and torch.isfinite(result.certificate[0]).all()
+    with pytest.raises(ValueError, match="slots in"):
+        decode_attention(q, pool, 1, indptr, bad, delta_step=DELTA, validate=True)
+
+
+def test_fp16_baseline_on_gpu_matches_exact_attention():
+    generator = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(9000, 4, 128, generator=generator).half().to(CUDA)
+    v_cache = torch.randn(9000, 4, 128, generator=generator).half().to(CUDA)
+    indptr = torch.tensor([0, 8000, 8100], device=CUDA)
+    slots = torch.randperm(9000, generator=generator)[:8100].to(CUDA)
+    q = _query(2, 28)
+    out, _ = decode_attention_fp16(q, k_cache, v_cache, indptr, slots)
+    for row in range(2):
+        row_slots = slots[indptr[row] : indptr[row + 1]]
+        k = k_cache[row_slots].float().repeat_interleave(7, dim=1)
+        v = v_cache[row_slots].float().repeat_interleave(7, dim=1)
+        probs = (torch.einsum("hd,shd->hs", q[row].float(), k) / 128**0.5).softmax(-1)
+        assert relative_error(out[row], torch.einsum("hs,shd->hd", probs, v).cpu()) < 2e-3
