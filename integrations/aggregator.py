@@ -17,8 +17,8 @@ Semantics (docs/TELEMETRY.md is the full statement):
   the four value categories are disjoint; values in ``(tau, 1)`` are in none of them.
 - Sampled steps are those with ``step % stride == 0``. At a sampled step every finite certificate
   enters the per-(layer, head) histogram (log-scale bounds, plus sum, min and max over finite values),
-  and one raw sample per (layer, head) enters the ring: the maximum over the active batch rows, ``+inf``
-  kept, NaN when any row is NaN.
+  and one raw sample per (layer, head) enters the ring: the maximum over the active batch rows that
+  are not NaN, ``+inf`` kept; NaN only when every active row is NaN (NaN is counted exactly anyway).
 - All comparisons are made in float32, whatever the certificate's dtype.
 - Counters, histogram counts and sums are cumulative and never reset on the device: the exporter takes
   differences between host copies, so there is no reset to race with the step loop. Only the
@@ -247,7 +247,7 @@ def _observe_kernel(
     finite_min = tl.full([BLOCK_H], float("inf"), dtype=tl.float32)
     finite_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    any_nan = tl.zeros([BLOCK_H], dtype=tl.int32)
+    any_number = tl.zeros([BLOCK_H], dtype=tl.int32)
     for row_start in range(0, num_rows, BLOCK_B):
         rows = row_start + tl.arange(0, BLOCK_B)
         ok = (rows < rows_limit)[:, None] & head_ok[None, :]
@@ -295,7 +295,7 @@ def _observe_kernel(
         finite_min = tl.minimum(finite_min, tl.min(tl.where(keep, value, float("inf")), axis=0))
         finite_max = tl.maximum(finite_max, tl.max(tl.where(keep, value, float("-inf")), axis=0))
         row_max = tl.maximum(row_max, tl.max(tl.where(ok & ~is_nan, value, float("-inf")), axis=0))
-        any_nan = tl.maximum(any_nan, tl.max(is_nan.to(tl.int32), axis=0))
+        any_number = tl.maximum(any_number, tl.max((ok & ~is_nan).to(tl.int32), axis=0))
 
     cell = layer * NUM_HEADS + heads
     cells = NUM_LAYERS * NUM_HEADS
@@ -321,7 +321,7 @@ def _observe_kernel(
     # Whether the ring is written is the same for every layer of the call (same step, same active rows).
     write_ring = head_ok & sampled & ((tl.zeros([BLOCK_H], dtype=tl.int32) + rows_limit) > 0)
     slot = (written + i * NUM_HEADS + heads) % ring_capacity
-    raw = tl.where(any_nan > 0, float("nan"), row_max).to(tl.float64)
+    raw = tl.where(any_number > 0, row_max, float("nan")).to(tl.float64)
     tl.store(ring_value_ptr + slot, raw, mask=write_ring)
     tl.store(ring_layer_ptr + slot, tl.zeros([BLOCK_H], dtype=tl.int64) + layer, mask=write_ring)
     tl.store(ring_head_ptr + slot, heads.to(tl.int64), mask=write_ring)
@@ -636,8 +636,8 @@ class CertificateAggregator:
         self._hist_min[layers] = torch.minimum(self._hist_min[layers], torch.where(keep, kept, math.inf).amin(1))
         self._hist_max[layers] = torch.maximum(self._hist_max[layers], torch.where(keep, kept, -math.inf).amax(1))
 
-        row_max = torch.where(ok & ~is_nan, kept, -math.inf).amax(1)
-        raw = torch.where(is_nan.any(1), math.nan, row_max).flatten()
+        number = ok & ~is_nan
+        raw = torch.where(number.any(1), torch.where(number, kept, -math.inf).amax(1), math.nan).flatten()
         write = sampled & (rows_limit > 0)
         entries = num_in_call * num_heads
         slots = (self._written + torch.arange(entries, device=self.device)) % self.layout.ring_capacity

@@ -14,8 +14,9 @@ The background thread turns consecutive host copies into OTLP (docs/TELEMETRY.md
 - the histogram of sampled finite values: built as delta ``HistogramDataPoint`` s from the device's
   bucket counts (the SDK's histogram instrument can only re-bucket single values, and the device
   already bucketed every row);
-- raw samples: gauge points built by hand with attributes layer, head and step, ``+inf`` and NaN kept
-  (the SDK's instruments drop non-finite measurements).
+- raw samples: gauge points built by hand with attributes layer, head and step, ``+inf`` kept (the
+  SDK's instruments drop non-finite measurements); a sample that is NaN (every row of that head was
+  NaN) is left out, since the ``nan`` counter already reports it and the collector refuses NaN samples.
 
 Each flush becomes one batch; batches wait in a buffer bounded by ``max_buffered_points`` while the
 exporter fails, are retried oldest first with exponential backoff, and are dropped oldest first when the
@@ -424,10 +425,12 @@ class TelemetryStream:
             for layer, head, step, value in zip(
                 snapshot.raw_layer, snapshot.raw_head, snapshot.raw_step, snapshot.raw_value, strict=True
             )
+            # An all-NaN head is already counted by witcert.certificate.nan; the collector refuses NaN samples.
+            if not np.isnan(value)
         ]
         return Metric(
             name=schema.CERTIFICATE_SAMPLE,
-            description="Sampled certificate per (layer, head, step): max over the batch, +inf and NaN kept",
+            description="Sampled certificate per (layer, head, step): max over the batch rows, +inf kept",
             unit="1",
             data=Gauge(points),
         )

@@ -49,8 +49,8 @@ def synthetic_stream(
             values = np.where(
                 (pick >= 0.11) & (pick < 0.2), special[rng.integers(0, len(special), values.shape)], values
             )
-            if not steps:  # the first step is sampled: make sure it carries both +inf and NaN
-                values[0, 0], values[-1, -1] = np.nan, np.inf
+            if not steps:  # the first step is sampled: make sure it carries +inf and an all-NaN head
+                values[:, 0], values[-1, -1] = np.nan, np.inf
             fallback = rng.random((batch, num_heads)) < 0.3
             repaired = np.where(fallback, rng.integers(1, 1 << 20, (batch, num_heads)), 0)
             layers.append(
@@ -103,7 +103,8 @@ def oracle(steps: list[Step], num_layers: int, num_heads: int, stride: int) -> E
                         hmin[layer, head] = min(hmin[layer, head], float(value))
                         hmax[layer, head] = max(hmax[layer, head], float(value))
                 if sampled and column:
-                    worst = math.nan if any(math.isnan(v) for v in column) else float(max(column))
+                    numbers = [float(v) for v in column if not math.isnan(v)]
+                    worst = max(numbers) if numbers else math.nan
                     raw.append((layer, head, step_index, worst))
     return Expected(counters, hist, hsum, hmin, hmax, raw)
 

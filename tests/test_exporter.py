@@ -136,9 +136,10 @@ def test_stream_delivers_exact_counts_histograms_and_raw_samples(receiver):
     assert (schema.DROPPED_POINTS, -1, -1) not in sums
 
     received = receiver.raw_samples()
-    assert [s[:3] for s in received] == [s[:3] for s in expected.raw]
-    np.testing.assert_array_equal([s[3] for s in received], [s[3] for s in expected.raw])
-    assert any(s[3] == math.inf for s in received) and any(math.isnan(s[3]) for s in received)
+    numbers = [s for s in expected.raw if not math.isnan(s[3])]  # all-NaN heads are counted, not sampled
+    assert len(numbers) < len(expected.raw)
+    assert received == numbers
+    assert any(s[3] == math.inf for s in received)
     assert all(step % stride == 0 for _, _, step, _ in received)
 
     buckets = np.zeros_like(expected.histogram_counts)
