@@ -117,12 +117,14 @@ def _start_collector_process(store: Path, spool: Path) -> tuple[subprocess.Popen
     command += ["--otlp-http", "127.0.0.1:0", "--no-grpc", "--log-level", "WARNING"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
-    line = process.stdout.readline()
-    match = re.search(r"OTLP/HTTP [\d.]+:(\d+)", line)
-    if not match:
-        process.kill()
-        raise AssertionError(f"collector did not start: {line}{process.stdout.read()}")
-    return process, int(match.group(1))
+    output = []
+    for line in process.stdout:  # warnings (e.g. a torn spool record cut) may come first
+        output.append(line)
+        match = re.search(r"OTLP/HTTP [\d.]+:(\d+)", line)
+        if match:
+            return process, int(match.group(1))
+    process.kill()
+    raise AssertionError(f"collector did not start: {''.join(output)}")
 
 
 def _wait_drained(port: int, timeout_s: float = 60) -> None:
