@@ -111,7 +111,9 @@ def certified_decode(
 
     k_hat = keys.dequantize(torch.float32)
     k_eff = torch.where(exact_mask[..., None], exact_keys.to(torch.float32), k_hat)
-    logits = sm_scale * torch.einsum("hd,shd->hs", q, k_eff[:, kv_of_q, :])
+    group_size = num_q_heads // num_kv_heads
+    # Grouped matmuls [H_kv, G, D] x [H_kv, D, S]: no copy of K per query head.
+    logits = sm_scale * (q.view(num_kv_heads, group_size, head_dim) @ k_eff.permute(1, 2, 0)).reshape(num_q_heads, -1)
     radius = reference.logit_radius(q, keys, sm_scale=sm_scale, delta=delta, kv_head_of_query=kv_of_q)
     radius = radius.masked_fill(exact_mask.T[kv_of_q], 0.0)
 
@@ -155,7 +157,7 @@ def certified_decode(
             certificate[group] = reference.accumulate_certificate(probs[group], radius[group]).certificate
 
     v_eff = torch.where(exact_mask[..., None], exact_values.to(torch.float32), values.to(torch.float32))
-    out = torch.einsum("hs,shd->hd", probs, v_eff[:, kv_of_q, :])
+    out = (probs.view(num_kv_heads, group_size, num_tokens) @ v_eff.transpose(0, 1)).reshape(num_q_heads, head_dim)
     return SequenceDecode(
         out=out,
         certificate=certificate,

@@ -1,0 +1,47 @@
+"""``witcert demo --no-serve`` end to end: what the store holds equals what the engine counted."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from witcert.cli import main
+from witcert.demo import DemoOptions, run_demo
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    # As in test_cache.py: the CPU interpreter costs about a second per decode step; take the reference path.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_store_counts_equal_engine_counts(tmp_path):
+    options = DemoOptions(
+        steps=6, prompt_tokens=24, layers=2, q_heads=4, kv_heads=2, head_dim=32, tau=0.02, stride=2, data_dir=tmp_path
+    )
+    output = io.StringIO()
+    summary = run_demo(options, Console(file=output, width=120))
+    engine = summary.engine
+    assert engine.certificates == 6 * 2 * 4  # steps x layers x query heads, batch 1
+    assert engine.fallbacks > 0 and engine.repaired_bytes > 0  # tau is low enough to make the gate act
+    assert engine.covered == engine.certificates  # gate mode: every certificate ends at or below tau
+    assert summary.store == engine
+    assert summary.sampled_certificates == 3 * 2 * 4  # steps 0, 2, 4: one raw sample per layer and head
+    assert summary.kv_bytes < summary.fp16_kv_bytes
+    text = output.getvalue()
+    assert "store (read back)" in text and "saved" in text
+    assert (tmp_path / "chdb").is_dir()  # a user data dir keeps the store
+
+
+def test_cli_no_serve_exits_after_the_summary(capsys):
+    code = main(["demo", "--no-serve", "--steps", "3", "--prompt-tokens", "16", "--layers", "1", "--mode", "observe"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "coverage at tau" in out and "fallbacks: 0" in out
+
+
+def test_cli_refuses_bad_options(capsys):
+    assert main(["demo", "--no-serve", "--steps", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().out

@@ -1,0 +1,327 @@
+"""``witcert demo``: the whole path in one command, with no external service.
+
+A collector on an embedded chDB store (a temporary directory unless ``--data-dir``), a randomly
+initialised Llama-style model (no weights are downloadable; GPU if present, CPU otherwise) generating
+through the witcert cache, OTLP/HTTP telemetry from the aggregator to the collector, then a summary
+read back *from the store*, so a user sees that every stage worked. Then the built-in dashboard is
+served on the collector's HTTP port until Ctrl-C; ``--no-serve`` exits after the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+ENGINE = "transformers"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    steps: int = 64
+    prompt_tokens: int = 128
+    batch: int = 1
+    layers: int = 4
+    q_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    # Above the policy default: on this random model about one head-step in twenty is repaired.
+    tau: float = 0.1
+    mode: str = "gate"
+    stride: int = 4
+    seed: int = 0
+    device: str = "auto"
+    data_dir: Path | None = None
+    listen: str = "127.0.0.1:0"
+
+
+@dataclass(frozen=True)
+class DemoCounts:
+    """Totals over the run: the same fields from the engine and from the store, to be compared."""
+
+    certificates: int
+    covered: int
+    vacuous: int
+    infinite: int
+    fallbacks: int
+    repaired_bytes: int
+
+
+@dataclass(frozen=True)
+class DemoSummary:
+    model: str
+    instance: str
+    device: str
+    steps: int
+    tau: float
+    engine: DemoCounts  # what the aggregator counted on the device
+    store: DemoCounts  # what the collector stored, read back through the query module
+    sampled_certificates: int  # raw samples stored (every stride-th step)
+    kv_bytes: int  # witcert pool bytes for the tokens held
+    fp16_kv_bytes: int  # the same tokens in an fp16 cache
+    dashboard_url: str
+    store_url: str
+
+    @property
+    def coverage(self) -> float:
+        return self.store.covered / self.store.certificates if self.store.certificates else float("nan")
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    return torch.device(choice)
+
+
+def _store_counts(queries, window) -> tuple[DemoCounts, int]:
+    heads = queries.run("heatmap", window).records()
+    repaired = queries.run("fallback-rate", window).records()
+    samples = queries.run("samples", window).rows
+    counts = DemoCounts(
+        certificates=sum(int(r["certificates"]) for r in heads),
+        covered=sum(int(r["covered"]) for r in heads),
+        vacuous=sum(int(r["vacuous"]) for r in heads),
+        infinite=sum(int(r["infinite"]) for r in heads),
+        fallbacks=sum(int(r["fallbacks"]) for r in heads),
+        repaired_bytes=sum(int(r["repaired_bytes"] or 0) for r in repaired),
+    )
+    return counts, len(samples)
+
+
+def run_demo(options: DemoOptions, console: Console | None = None, serve: bool = False) -> DemoSummary:
+    """Run the demo end to end and return its summary; with ``serve``, keep serving until interrupted."""
+    from witcert.collector.config import CollectorConfig
+    from witcert.collector.queries import Window
+    from witcert.collector.service import Collector
+    from witcert.dashboards.page import PREFIX, routes
+    from witcert.integrations import CertificateAggregator
+    from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
+    from witcert.integrations.gating import CachePolicy
+    from witcert.integrations.quality import random_model
+    from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
+
+    console = console or Console()
+    if options.steps < 1 or options.prompt_tokens < 1 or options.batch < 1:
+        raise ValueError("steps, prompt tokens and batch must be positive")
+    policy = CachePolicy(mode=options.mode, tau=options.tau, stride=options.stride, seed=options.seed)
+    device = _device(options.device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    temporary = options.data_dir is None
+    data_dir = Path(tempfile.mkdtemp(prefix="witcert-demo-")) if temporary else Path(options.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store_url = f"chdb://{data_dir / 'chdb'}"
+    collector = Collector(
+        CollectorConfig(store_url=store_url, otlp_http=options.listen, otlp_grpc=None), extra_routes=routes()
+    )
+    try:
+        ports = collector.start()
+        host = options.listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+        base_url = f"http://{host}:{ports.http}"
+        console.print(f"collector on {base_url} (OTLP/HTTP), store {store_url}")
+
+        model = random_model(
+            layers=options.layers,
+            hidden=options.q_heads * options.head_dim,
+            q_heads=options.q_heads,
+            kv_heads=options.kv_heads,
+            head_dim=options.head_dim,
+            seed=options.seed,
+            dtype=dtype,
+            device=device,
+        )
+        use_witcert_attention(model)
+        model_name = f"random-llama-L{options.layers}-H{options.q_heads}x{options.kv_heads}-D{options.head_dim}"
+        identity = EngineIdentity(model=model_name, engine=ENGINE)
+        aggregator = CertificateAggregator(
+            options.layers, options.q_heads, tau=policy.tau, stride=policy.stride, device=device
+        )
+        stream = TelemetryStream(
+            aggregator, otlp_http_exporter(f"{base_url}/v1/metrics"), identity, flush_steps=16, flush_seconds=2.0
+        )
+        started = datetime.now(UTC)
+        prompt = torch.randint(
+            0,
+            model.config.vocab_size,
+            (options.batch, options.prompt_tokens),
+            generator=torch.Generator().manual_seed(options.seed),
+        ).to(device)
+        cache = WitcertCache(
+            model.config, policy, max_cache_len=options.prompt_tokens + options.steps + 1, observer=aggregator
+        )
+        kwarg = {cache_kwarg(model): cache}
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        with torch.no_grad(), progress:
+            task = progress.add_task(
+                f"decoding on {device.type} ({policy.mode.value}, tau={policy.tau})", total=options.steps
+            )
+            logits = model(input_ids=prompt, use_cache=True, **kwarg).logits[:, -1]
+            for _ in range(options.steps):
+                token = logits.argmax(-1, keepdim=True)
+                logits = model(input_ids=token, use_cache=True, **kwarg).logits[:, -1]
+                stream.poll()
+                progress.advance(task)
+        stream.close()
+        if stream.stats.points_dropped:
+            console.print(f"[yellow]telemetry dropped {stream.stats.points_dropped} points")
+        if not collector.wait_stored(timeout_s=30.0):
+            raise RuntimeError("the collector did not store the telemetry within 30 s")
+
+        snapshot = aggregator.snapshot()
+        engine = DemoCounts(
+            certificates=int(snapshot.samples.sum()),
+            covered=int(snapshot.covered.sum()),
+            vacuous=int(snapshot.vacuous.sum()),
+            infinite=int(snapshot.inf.sum()),
+            fallbacks=int(snapshot.fallbacks.sum()),
+            repaired_bytes=int(snapshot.repaired_bytes.sum()),
+        )
+        window = Window(
+            start=started - timedelta(minutes=2),
+            end=datetime.now(UTC) + timedelta(minutes=2),
+            model=model_name,
+            instance=identity.instance,
+            limit=100_000,
+        )
+        store, sampled = _store_counts(collector.queries, window)
+        tokens = options.batch * cache.get_seq_length()
+        dashboard = (
+            f"{base_url}{PREFIX}/?from={int(window.start.timestamp())}&to={int(window.end.timestamp()) + 3600}"
+            f"&tau={policy.tau}&model={model_name}"
+        )
+        summary = DemoSummary(
+            model=model_name,
+            instance=identity.instance,
+            device=str(device),
+            steps=options.steps,
+            tau=policy.tau,
+            engine=engine,
+            store=store,
+            sampled_certificates=sampled,
+            kv_bytes=tokens * cache.bytes_per_token,
+            fp16_kv_bytes=tokens * cache.fp16_bytes_per_token,
+            dashboard_url=dashboard,
+            store_url=store_url,
+        )
+        print_summary(summary, console)
+        if serve:
+            console.print(f"\ndashboard: [bold]{dashboard}[/bold]\n(Ctrl-C stops the demo)")
+            _wait_for_interrupt()
+        return summary
+    finally:
+        collector.stop()
+        if temporary:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _wait_for_interrupt() -> None:
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def print_summary(summary: DemoSummary, console: Console) -> None:
+    table = Table(title=f"witcert demo: {summary.model} on {summary.device}, {summary.steps} decode steps")
+    table.add_column("")
+    table.add_column("engine", justify="right")
+    table.add_column("store (read back)", justify="right")
+    for name in asdict(summary.engine):
+        table.add_row(name.replace("_", " "), f"{getattr(summary.engine, name):,}", f"{getattr(summary.store, name):,}")
+    console.print(table)
+    saved = 1 - summary.kv_bytes / summary.fp16_kv_bytes
+    console.print(
+        f"coverage at tau={summary.tau}: {summary.coverage:.4f}   vacuous: {summary.store.vacuous}   "
+        f"inf: {summary.store.infinite}   fallbacks: {summary.store.fallbacks} "
+        f"({summary.store.repaired_bytes:,} bytes paged in)\n"
+        f"raw samples stored: {summary.sampled_certificates}   KV cache: {summary.kv_bytes:,} bytes vs "
+        f"{summary.fp16_kv_bytes:,} in fp16 ({saved:.1%} saved)"
+    )
+    if summary.engine != summary.store:
+        console.print("[bold red]the store does not hold what the engine counted: telemetry was lost")
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = DemoOptions(
+        steps=args.steps,
+        prompt_tokens=args.prompt_tokens,
+        batch=args.batch,
+        layers=args.layers,
+        tau=args.tau,
+        mode=args.mode,
+        stride=args.stride,
+        seed=args.seed,
+        device=args.device,
+        data_dir=args.data_dir,
+        listen=args.listen,
+    )
+    console = Console()
+    try:
+        summary = run_demo(options, console, serve=not args.no_serve)
+    except ValueError as error:
+        console.print(f"[red]witcert demo: {error}")
+        return 2
+    return 0 if summary.engine == summary.store else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = DemoOptions()
+    parser = subparsers.add_parser(
+        "demo",
+        help="run the whole path locally: generation -> OTLP -> collector on chDB -> summary and dashboard",
+        description=(
+            "Start a collector on an embedded chDB store, generate with a randomly initialised Llama-style "
+            "model through the witcert cache (GPU if present, else CPU), stream the certificates over "
+            "OTLP/HTTP, print a summary read back from the store, and serve the built-in dashboard."
+        ),
+    )
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="decode steps (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens, help="prompt length")
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences decoded together")
+    parser.add_argument("--layers", type=int, default=defaults.layers, help="layers of the random model")
+    parser.add_argument("--tau", type=float, default=defaults.tau, help="TV threshold (default %(default)s)")
+    parser.add_argument(
+        "--mode",
+        choices=("observe", "gate"),
+        default=defaults.mode,
+        help="observe: report only; gate: repair heads above tau (default %(default)s)",
+    )
+    parser.add_argument("--stride", type=int, default=defaults.stride, help="raw sample every N-th step")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="model, prompt and dither seed")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="keep the chDB store here (default: a temporary directory, removed at exit)",
+    )
+    parser.add_argument(
+        "--listen",
+        default=defaults.listen,
+        help="collector HTTP address HOST:PORT (port 0: any free port; default %(default)s)",
+    )
+    parser.add_argument("--no-serve", action="store_true", help="exit after the summary instead of serving")
+    parser.set_defaults(handler=_run)
