@@ -44,6 +44,8 @@ _NUM_COUNTERS = len(COUNTER_NAMES)
 
 Backend = Literal["auto", "triton", "torch"]
 
+DEFAULT_RING_SAMPLED_STEPS = 128
+
 
 @dataclass(frozen=True)
 class StateLayout:
@@ -355,13 +357,19 @@ def _check_per_row(name: str, tensor: torch.Tensor | None, shape: torch.Size, de
 class CertificateAggregator:
     """Per-(layer, head) certificate counters, a log-scale histogram and a ring of raw samples, on the device.
 
-    ``tau`` is the gating threshold (``covered`` means ``certificate <= tau``); it must be below 1 so
-    that covered and vacuous never overlap. ``stride``: every ``stride``-th step is sampled into the
-    histogram and the ring (counters see every step). ``ring_capacity``: raw samples held on the device
-    between flushes (one per layer and head at each sampled step). ``step_layer``: the layer whose
-    observation advances the step counter (the first layer this process runs). ``backend``: ``"triton"``
-    (one fused kernel per call: the CUDA default), ``"torch"`` (plain tensor operations, no branch on
-    device values either: the CPU default) or ``"auto"``.
+    - ``tau``: the gating threshold (``covered`` means ``certificate <= tau``), in (0, 1) so that covered
+      and vacuous never overlap.
+    - ``stride``: every ``stride``-th step is sampled into the histogram and the ring; counters see every step.
+    - ``ring_capacity``: raw samples held on the device between flushes (one per layer and head at each
+      sampled step); by default 128 sampled steps, i.e. ``128 * stride`` steps between flushes before the
+      oldest samples are overwritten (and counted as dropped by the exporter).
+    - ``step_layer``: the layer whose observation advances the step counter (the first layer this process runs).
+    - ``backend``: ``"triton"`` (one fused launch per call: the CUDA default), ``"torch"`` (plain tensor
+      operations, no branch on device values either: the CPU default) or ``"auto"``.
+
+    Per decode step, prefer one ``observe_layers`` call over a per-step [L, B, H] certificate buffer to
+    ``L`` calls of ``observe``: on the H200 the former cost 0.00-0.13% of a 28-layer decode step, the
+    latter 2.9-3.8% (docs/TELEMETRY.md).
     """
 
     def __init__(
@@ -372,17 +380,19 @@ class CertificateAggregator:
         tau: float,
         stride: int = 32,
         device: torch.device | str,
-        ring_capacity: int = 65536,
+        ring_capacity: int | None = None,
         step_layer: int = 0,
         histogram_bounds: tuple[float, ...] = CERTIFICATE_BUCKETS,
         backend: Backend = "auto",
     ) -> None:
         if num_layers <= 0 or num_q_heads <= 0:
             raise ValueError(f"num_layers and num_q_heads must be positive, got {num_layers} and {num_q_heads}")
-        if not (math.isfinite(tau) and 0.0 <= tau < 1.0):
-            raise ValueError(f"tau must be in [0, 1) so that covered and vacuous are disjoint, got {tau}")
+        if not (math.isfinite(tau) and 0.0 < tau < 1.0):
+            raise ValueError(f"tau must be in (0, 1): covered and vacuous must stay disjoint, got {tau}")
         if stride < 1:
             raise ValueError(f"stride must be at least 1, got {stride}")
+        if ring_capacity is None:
+            ring_capacity = DEFAULT_RING_SAMPLED_STEPS * num_layers * num_q_heads
         if ring_capacity < num_layers * num_q_heads:
             raise ValueError(
                 f"ring_capacity {ring_capacity} cannot hold one sampled step ({num_layers} x {num_q_heads} samples)"

@@ -207,6 +207,7 @@ def test_restart_extrema_starts_a_new_interval_for_min_and_max_only():
     [
         ({"tau": 1.0}, "tau must be in"),
         ({"tau": math.nan}, "tau must be in"),
+        ({"tau": 0.0}, "tau must be in"),
         ({"stride": 0}, "stride"),
         ({"ring_capacity": 3}, "cannot hold one sampled step"),
         ({"step_layer": 2}, "step_layer"),

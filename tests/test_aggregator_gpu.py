@@ -65,7 +65,9 @@ def test_observe_and_poll_never_synchronise_with_the_host():
             if got_metric == metric:
                 received[layer, head] = value
         np.testing.assert_array_equal(received, snapshot.counters()[name], err_msg=name)
-    assert stream.stats.flushes_started >= 4 and stream.stats.points_dropped == 0
+    # A flush due while both host buffers are still being decoded is skipped, never waited for.
+    assert stream.stats.flushes_started + stream.stats.flushes_skipped >= 4
+    assert stream.stats.points_dropped == 0
 
 
 def test_triton_on_the_device_matches_the_oracle():
