@@ -58,7 +58,11 @@ class KVPool:
         if group_size % per_call:
             raise ValueError(f"group_size {group_size} must be a multiple of {per_call} for {dither_bits}-bit dither")
         reference.seed_key(seed)  # validates the seed
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            # Tensors report "cuda:N": compare against the same spelling.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.num_slots, self.num_layers, self.kv_heads, self.head_dim = num_slots, num_layers, kv_heads, head_dim
         self.group_size, self.seed, self.dither_bits = group_size, seed, dither_bits
         self.v_dither, self.page_size, self.dtype = v_dither, page_size, dtype
