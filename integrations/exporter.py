@@ -418,18 +418,24 @@ class TelemetryStream:
         )
 
     def _raw_sample_metric(self, snapshot: AggregatorSnapshot, wall_ns: int) -> Metric:
+        # An all-NaN head is already counted by witcert.certificate.nan; the collector refuses NaN samples.
+        keep = ~np.isnan(snapshot.raw_value)
+        start_ns = self._previous_ns
+        # Plain Python numbers (tolist): numpy scalars would cost a conversion per attribute.
         points = [
             NumberDataPoint(
-                attributes={schema.ATTR_LAYER: int(layer), schema.ATTR_HEAD: int(head), schema.ATTR_STEP: int(step)},
-                start_time_unix_nano=self._previous_ns,
+                attributes={schema.ATTR_LAYER: layer, schema.ATTR_HEAD: head, schema.ATTR_STEP: step},
+                start_time_unix_nano=start_ns,
                 time_unix_nano=wall_ns,
-                value=float(value),
+                value=value,
             )
             for layer, head, step, value in zip(
-                snapshot.raw_layer, snapshot.raw_head, snapshot.raw_step, snapshot.raw_value, strict=True
+                snapshot.raw_layer[keep].tolist(),
+                snapshot.raw_head[keep].tolist(),
+                snapshot.raw_step[keep].tolist(),
+                snapshot.raw_value[keep].tolist(),
+                strict=True,
             )
-            # An all-NaN head is already counted by witcert.certificate.nan; the collector refuses NaN samples.
-            if not np.isnan(value)
         ]
         return Metric(
             name=schema.CERTIFICATE_SAMPLE,
