@@ -1,7 +1,7 @@
 """Every panel's SQL, written once: the Grafana dashboard and the built-in page both render from here.
 
 Panels read the collector's rollups (``witcert_counts_*``, ``witcert_buckets_*``), never the raw
-sample rows, so a 30-day view stays cheap: ranges up to two days read the 1-minute rollup, longer
+sample rows, so a 30-day view stays cheap: ranges up to one day read the 1-minute rollup, longer
 ones the 1-hour rollup. The switch is a constant condition on the time range inside the SQL itself
 (ClickHouse folds it and reads no part of the branch that is off), so Grafana and the page send
 the same text. Export lag is the one panel that reads a raw table (the gauge); its rows are
@@ -20,7 +20,7 @@ from typing import Literal
 from witcert import telemetry_schema as names
 
 # Ranges up to this many seconds read the 1-minute rollup; longer ones the 1-hour rollup.
-MINUTE_ROLLUP_MAX_RANGE_S = 2 * 86400
+MINUTE_ROLLUP_MAX_RANGE_S = 86400
 
 # The rollups' Layer/Head for counters reported without those attributes.
 NO_LAYER_OR_HEAD = 65535
