@@ -30,6 +30,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -224,6 +225,57 @@ def stream_cost(args: argparse.Namespace, step: DecodeStep) -> dict[str, float]:
     }
 
 
+def thread_cost(args: argparse.Namespace) -> dict[str, float]:
+    """Background-thread CPU per batch, split by part, on whatever CPU runs this (no GPU needed).
+
+    The aggregator runs on the CPU here; only the host-side work of one flush is timed: the SDK
+    counters (add + collect), the hand-built histogram and raw-sample points, and the exporter's
+    protobuf encoding (``encode_metrics``; the HTTP post and gzip are left out).
+    """
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+
+    aggregator = CertificateAggregator(args.layers, args.heads, tau=TAU, stride=args.stride, device="cpu")
+    stream = TelemetryStream(
+        aggregator,
+        otlp_http_exporter("http://127.0.0.1:9/v1/metrics"),
+        EngineIdentity(model="qwen2-7b-shape", engine="bench"),
+        flush_steps=10**9,
+        flush_seconds=1e9,
+    )
+    generator = torch.Generator().manual_seed(0)
+    parts: dict[str, list[float]] = {"histogram_ms": [], "raw_samples_ms": [], "build_ms": [], "encode_ms": []}
+    points: list[int] = []
+    raw_points: list[int] = []
+    for _ in range(args.thread_batches):
+        certificates = torch.rand(args.layers, 8, args.heads, generator=generator) ** 6
+        for _ in range(args.flush_steps):
+            aggregator.observe_layers(0, certificates)
+        snapshot = stream._decode(aggregator.state.numpy())
+        now = time.time_ns()
+        started = time.thread_time()
+        stream._histogram_metric(snapshot, stream._previous, now)
+        parts["histogram_ms"].append(1e3 * (time.thread_time() - started))
+        started = time.thread_time()
+        stream._raw_sample_metric(snapshot, now)
+        parts["raw_samples_ms"].append(1e3 * (time.thread_time() - started))
+        started = time.thread_time()
+        batch = stream._build(snapshot, now)
+        parts["build_ms"].append(1e3 * (time.thread_time() - started))
+        started = time.thread_time()
+        encode_metrics(batch.data).SerializeToString()
+        parts["encode_ms"].append(1e3 * (time.thread_time() - started))
+        points.append(batch.points)
+        raw_points.append(int((~np.isnan(snapshot.raw_value)).sum()))
+    stream.close(timeout_s=0.1)
+    result = {name: statistics.median(values) for name, values in parts.items()}
+    result["counters_ms"] = result["build_ms"] - result["histogram_ms"] - result["raw_samples_ms"]
+    result.update(points_per_batch=statistics.median(points), raw_points_per_batch=statistics.median(raw_points))
+    result["us_per_point_build_and_encode"] = (
+        1e3 * (result["build_ms"] + result["encode_ms"]) / result["points_per_batch"]
+    )
+    return result
+
+
 def measure_batch(args: argparse.Namespace, batch: int) -> dict:
     step = DecodeStep(args, batch)
     graphs = {
@@ -265,8 +317,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--flush-steps", type=int, default=64)
+    parser.add_argument(
+        "--thread-cost-only", action="store_true", help="only the background thread's CPU per batch (runs on CPU)"
+    )
+    parser.add_argument("--thread-batches", type=int, default=8)
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.thread_cost_only:
+        result = {"method": thread_cost.__doc__, "config": {k: v for k, v in vars(args).items() if k != "out"}}
+        result["cost"] = thread_cost(args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result["cost"], indent=2))
+        return
     results = {
         "method": __doc__,
         "device": torch.cuda.get_device_name(),
