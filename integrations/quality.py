@@ -37,15 +37,17 @@ def random_model(
     kv_heads: int = 2,
     head_dim: int = 32,
     vocab: int = 512,
-    init_std: float = 0.1,
+    init_std: float | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
     """A randomly initialised Llama-style model (GQA, RoPE): no weights are downloadable here.
 
-    ``init_std`` 0.1 instead of transformers' 0.02 makes attention peaked enough that certificates land
-    near the default tau (0.02 gives nearly uniform attention and certificates around 1e-3).
+    ``init_std`` defaults to ``1.6 / sqrt(hidden)`` (0.1 at hidden 256), which keeps the attention
+    logits' spread (about ``init_std**2 * hidden``) the same at every width: peaked enough that
+    certificates land near the default tau. transformers' 0.02 gives nearly uniform attention on
+    small models (certificates around 1e-3) and saturated attention on wide ones.
     """
     config = LlamaConfig(
         vocab_size=vocab,
@@ -56,10 +58,12 @@ def random_model(
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=8192,
-        initializer_range=init_std,
+        initializer_range=init_std if init_std is not None else 1.6 / hidden**0.5,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialise in place: a billion parameters take seconds on a GPU, minutes on CPU
+        model = LlamaForCausalLM(config)
+    return model.to(dtype=dtype).eval()
 
 
 @dataclass

@@ -25,7 +25,9 @@ def reference_kernels(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model():
-    model = random_model(layers=LAYERS, hidden=128, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=32, vocab=256)
+    model = random_model(
+        layers=LAYERS, hidden=128, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=32, vocab=256, init_std=0.1
+    )
     use_witcert_attention(model)
     return model
 
