@@ -314,9 +314,7 @@ class TelemetryStream:
     def _run(self) -> None:
         stopping = False
         while True:
-            wait = None
-            if self._buffer and not stopping:
-                wait = max(0.0, self._next_attempt - time.monotonic())
+            wait = max(0.0, self._next_attempt - time.monotonic()) if self._buffer else None
             try:
                 item = self._inbox.get(timeout=wait)
             except queue.Empty:
@@ -325,14 +323,14 @@ class TelemetryStream:
                 stopping = True
             elif item is not None:
                 self._build_safely(*item)
-            if stopping and not self._inbox.empty():
-                continue
-            self._export_buffered(ignore_backoff=stopping)
+            if not self._inbox.empty():
+                continue  # build whatever waits before exporting: that frees the engine's host buffers
             if stopping:
                 self._report_late_drops()
                 self._export_buffered(ignore_backoff=True)
                 self._shutdown_sdk()
                 return
+            self._export_buffered(ignore_backoff=False)
 
     def _build_safely(self, source: int | np.ndarray, wall_ns: int) -> None:
         cpu_start, wall_start = time.thread_time(), time.perf_counter()
