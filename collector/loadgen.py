@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import math
+import random
 from dataclasses import dataclass
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -25,9 +26,13 @@ def samples_request(
     steps: range,
     time_ns: int,
     inf_every: int = 0,
+    rng: random.Random | None = None,
+    step_ns: int = 20_000_000,
 ) -> ExportMetricsServiceRequest:
-    """One request with a sample per (layer, head, step): value ``(layer + head + step) % 100 / 1000``,
-    or +inf for every ``inf_every``-th point (0: never). Step ``s`` is stamped ``time_ns + s``."""
+    """One request with a sample per (layer, head, step): value ``(layer + head + step) % 100 / 1000``
+    (exactly predictable, for tests), or log-normal with median 0.018 when ``rng`` is given (as
+    incompressible as real certificates, for disk figures); +inf for every ``inf_every``-th point
+    (0: never). Step ``s`` is stamped ``time_ns + s * step_ns`` (default: 50 decode steps a second)."""
     request = ExportMetricsServiceRequest()
     resource_metrics = request.resource_metrics.add()
     for key, value in (
@@ -46,8 +51,13 @@ def samples_request(
         for layer in range(layers):
             for head in range(heads):
                 index += 1
-                value = math.inf if inf_every and index % inf_every == 0 else ((layer + head + step) % 100) / 1000
-                point = points.add(time_unix_nano=time_ns + step, as_double=value)
+                if inf_every and index % inf_every == 0:
+                    value = math.inf
+                elif rng is not None:
+                    value = rng.lognormvariate(-4.0, 1.5)
+                else:
+                    value = ((layer + head + step) % 100) / 1000
+                point = points.add(time_unix_nano=time_ns + step * step_ns, as_double=value)
                 point.attributes.add(key=ts.ATTR_LAYER, value=AnyValue(int_value=layer))
                 point.attributes.add(key=ts.ATTR_HEAD, value=AnyValue(int_value=head))
                 point.attributes.add(key=ts.ATTR_STEP, value=AnyValue(int_value=step))

@@ -1,0 +1,325 @@
+"""Sustained ingest into chDB through a real ``witcert collector`` process.
+
+Method: the collector runs as its own process (fresh chDB store and spool, OTLP/HTTP only); this
+process is the load. Two loads, one after the other, each for ``--seconds``:
+
+- ``replay``: ``--clients`` threads POST prebuilt protobuf requests (the engine's sample shape:
+  one gauge point per layer x head x step, ``--layers`` x ``--heads`` x ``--steps`` per request),
+  each a fresh body (distinct steps), over keep-alive connections;
+- ``sdk``: the opentelemetry-sdk OTLP/HTTP exporter exports hand-built ``MetricsData`` of the same
+  shape (how the engine side sends samples), one exporter per client thread.
+
+Rates count certificate samples *stored*: from the first request to the moment the collector's
+spool is empty again (``/readyz``), so a drain that falls behind lowers the figure. Latency is per
+request, client side (includes the fsync before the acknowledgement). Bytes on disk per million
+samples are read from ``system.parts`` after ``OPTIMIZE ... FINAL`` (log-normal certificate values,
+one +inf in 997, 50 steps/s, 32 layers x 32 heads), for the typed samples table
+and, for comparison, for the same samples inserted as raw exporter-format rows into
+``otel_metrics_gauge`` (with the insert time of each path): the measurement behind sending samples
+straight to the typed table. Results: ``bench/results/ingest.json`` and ``ingest.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from witcert import telemetry_schema as ts
+from witcert.collector.loadgen import OtlpHttpClient, samples_request
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def start_collector(root: Path) -> tuple[subprocess.Popen, int]:
+    command = [sys.executable, "-m", "witcert.cli", "collector", "--store", f"chdb://{root / 'chdb'}"]
+    command += ["--spool", str(root / "spool"), "--otlp-http", "127.0.0.1:0", "--no-grpc", "--log-level", "WARNING"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:
+        match = re.search(r"OTLP/HTTP [\d.]+:(\d+)", line)
+        if match:
+            return process, int(match.group(1))
+    raise RuntimeError("the collector did not start")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), threads included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def readiness(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=30) as response:
+        return json.loads(response.read())
+
+
+def wait_drained(port: int) -> float:
+    while readiness(port)["spool_bytes"]:
+        time.sleep(0.05)
+    return time.perf_counter()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Load:
+    """Shared state of one load: next request index, latencies, acknowledged points."""
+
+    def __init__(self, points_per_request: int) -> None:
+        self.points_per_request = points_per_request
+        self.lock = threading.Lock()
+        self.next_index = 0
+        self.latencies: list[float] = []
+        self.acked_points = 0
+        self.refused = 0
+
+    def take(self) -> int:
+        with self.lock:
+            self.next_index += 1
+            return self.next_index - 1
+
+    def record(self, latency: float, ok: bool) -> None:
+        with self.lock:
+            self.latencies.append(latency)
+            if ok:
+                self.acked_points += self.points_per_request
+            else:
+                self.refused += 1
+
+
+def run_replay(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
+    steps = args.steps
+    # Prebuilt before the clock starts: request i carries steps [i*steps, (i+1)*steps).
+    count = args.prebuilt
+    bodies = [
+        samples_request(
+            model, "bench", args.layers, args.heads, range(i * steps, (i + 1) * steps), time.time_ns()
+        ).SerializeToString()
+        for i in range(count)
+    ]
+    load = Load(args.layers * args.heads * steps)
+
+    def client(deadline: float) -> None:
+        connection = OtlpHttpClient("127.0.0.1", port)
+        while time.perf_counter() < deadline:
+            index = load.take()
+            if index >= count:
+                break
+            began = time.perf_counter()
+            reply = connection.post(bodies[index], compress=args.gzip)
+            load.record(time.perf_counter() - began, reply.status == 200)
+            if reply.status != 200:
+                time.sleep(float(reply.headers.get("retry-after", "1")))
+        connection.close()
+
+    return drive(port, pid, load, client, args, bytes_per_request=statistics.mean(len(b) for b in bodies[:10]))
+
+
+def run_sdk(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
+    from opentelemetry.exporter.otlp.proto.http import Compression
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import (
+        Gauge,
+        Metric,
+        MetricExportResult,
+        MetricsData,
+        NumberDataPoint,
+        ResourceMetrics,
+        ScopeMetrics,
+    )
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    resource = Resource({ts.RESOURCE_SERVICE_NAME: "bench", ts.RESOURCE_INSTANCE: "sdk", ts.RESOURCE_MODEL: model})
+    scope = InstrumentationScope(ts.INSTRUMENTATION_SCOPE)
+    load = Load(args.layers * args.heads * args.steps)
+
+    def metrics_data(index: int) -> MetricsData:
+        now = time.time_ns()
+        points = [
+            NumberDataPoint(
+                attributes={ts.ATTR_LAYER: layer, ts.ATTR_HEAD: head, ts.ATTR_STEP: step},
+                start_time_unix_nano=0,
+                time_unix_nano=now,
+                value=((layer + head + step) % 100) / 1000,
+            )
+            for step in range(index * args.steps, (index + 1) * args.steps)
+            for layer in range(args.layers)
+            for head in range(args.heads)
+        ]
+        metric = Metric(ts.CERTIFICATE_SAMPLE, "", "1", Gauge(points))
+        return MetricsData([ResourceMetrics(resource, [ScopeMetrics(scope, [metric], None)], None)])
+
+    def client(deadline: float) -> None:
+        exporter = OTLPMetricExporter(
+            endpoint=f"http://127.0.0.1:{port}/v1/metrics",
+            compression=Compression.Gzip if args.gzip else Compression.NoCompression,
+        )
+        while time.perf_counter() < deadline:
+            data = metrics_data(load.take())  # building points is the engine's cost, not timed
+            began = time.perf_counter()
+            result = exporter.export(data)
+            load.record(time.perf_counter() - began, result is MetricExportResult.SUCCESS)
+        exporter.shutdown()
+
+    return drive(port, pid, load, client, args, bytes_per_request=None)
+
+
+def drive(port: int, pid: int, load: Load, client, args: argparse.Namespace, bytes_per_request: float | None) -> dict:
+    before = readiness(port)["counters"]["stored_points"]
+    cpu_before = cpu_seconds(pid)
+    load_average = os.getloadavg()[0]
+    started = time.perf_counter()
+    deadline = started + args.seconds
+    threads = [threading.Thread(target=client, args=(deadline,)) for _ in range(args.clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sent_until = time.perf_counter()
+    drained = wait_drained(port)
+    stored = readiness(port)["counters"]["stored_points"] - before
+    collector_cpu = cpu_seconds(pid) - cpu_before
+    return {
+        "load_average_1m_at_start": round(load_average, 2),
+        # Collector CPU (all its threads, chDB included) per stored sample: what one core sustains
+        # without contention is about 1e6 / this.
+        "collector_cpu_us_per_point": round(collector_cpu / max(stored, 1) * 1e6, 2),
+        "requests": len(load.latencies),
+        "refused_requests": load.refused,
+        "points_per_request": load.points_per_request,
+        "request_bytes": bytes_per_request,
+        "acked_points": load.acked_points,
+        "stored_points": stored,
+        "send_seconds": round(sent_until - started, 3),
+        "drain_tail_seconds": round(drained - sent_until, 3),
+        "acked_points_per_s": round(load.acked_points / (sent_until - started)),
+        "stored_points_per_s": round(stored / (drained - started)),
+        "latency_p50_ms": round(1000 * percentile(load.latencies, 0.5), 2),
+        "latency_p99_ms": round(1000 * percentile(load.latencies, 0.99), 2),
+    }
+
+
+def disk_usage(root: Path, samples: int) -> dict:
+    """Typed rows vs raw exporter rows for the same samples: insert time and bytes on disk."""
+    from witcert.collector import otlp
+    from witcert.collector.config import Limits
+    from witcert.collector.store import Store
+
+    store = Store(f"chdb://{root / 'disk'}")
+    try:
+        per_request = 32 * 32 * 16
+        typed_s = raw_s = 0.0
+        rng = random.Random(20261202)
+        start_ns = time.time_ns()
+        for index in range(max(1, samples // per_request)):
+            steps = range(index * 16, index * 16 + 16)
+            request = samples_request("m", "disk", 32, 32, steps, start_ns, inf_every=997, rng=rng)
+            typed = otlp.convert_request(request, Limits()).columns[otlp.SAMPLES_TABLE]
+            began = time.perf_counter()
+            store.insert_columns(otlp.SAMPLES_TABLE, typed, token=f"typed-{index}")
+            typed_s += time.perf_counter() - began
+            request.resource_metrics[0].scope_metrics[0].metrics[0].name = "bench.raw.sample"
+            raw = otlp.convert_request(request, Limits()).columns[otlp.GAUGE_TABLE]
+            began = time.perf_counter()
+            store.insert_columns(otlp.GAUGE_TABLE, raw, token=f"raw-{index}")
+            raw_s += time.perf_counter() - began
+        result = {}
+        for table, seconds in ((otlp.SAMPLES_TABLE, typed_s), (otlp.GAUGE_TABLE, raw_s)):
+            store.command(f"OPTIMIZE TABLE {table} FINAL")
+            _, rows = store.query(
+                "SELECT sum(rows), sum(bytes_on_disk) FROM system.parts WHERE active AND table = {t:String}",
+                {"t": table},
+            )
+            row_count, size = rows[0]
+            result[table] = {
+                "rows": row_count,
+                "bytes_per_million": round(size / row_count * 1e6),
+                "insert_us_per_row": round(seconds / row_count * 1e6, 2),
+            }
+        return result
+    finally:
+        store.close()
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Ingest benchmark",
+        "",
+        f"{report['when']} on {report['machine']}; command: `{report['command']}`.",
+        "",
+        "| load | requests | points/request | acked points/s | stored points/s | p50 ms | p99 ms | refused "
+        "| collector CPU us/point | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ("replay", "sdk"):
+        run = report.get(name)
+        if run:
+            lines.append(
+                f"| {name} | {run['requests']} | {run['points_per_request']} | {run['acked_points_per_s']:,} | "
+                f"{run['stored_points_per_s']:,} | {run['latency_p50_ms']} | {run['latency_p99_ms']} | "
+                f"{run['refused_requests']} | {run['collector_cpu_us_per_point']} | {run['load_average_1m_at_start']} |"
+            )
+    lines += ["", "| table | rows | bytes on disk per million samples | insert us/row |", "|---|---|---|---|"]
+    for table, usage in report["disk"].items():
+        lines.append(f"| {table} | {usage['rows']:,} | {usage['bytes_per_million']:,} | {usage['insert_us_per_row']} |")
+    lines += ["", "Method: see the docstring of bench/bench_ingest.py.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="duration of each load")
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per request")
+    parser.add_argument("--prebuilt", type=int, default=300, help="replay requests built before the clock starts")
+    parser.add_argument("--gzip", action="store_true", help="gzip request bodies")
+    parser.add_argument("--disk-samples", type=int, default=1_000_000)
+    parser.add_argument("--skip-sdk", action="store_true")
+    parser.add_argument("--output", default="ingest", help="results file stem under bench/results/")
+    args = parser.parse_args()
+
+    report: dict = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
+        "command": "python bench/bench_ingest.py " + " ".join(sys.argv[1:]),
+        "parameters": vars(args),
+    }
+    with tempfile.TemporaryDirectory(prefix="witcert-bench-") as tmp:
+        root = Path(tmp)
+        process, port = start_collector(root)
+        try:
+            report["replay"] = run_replay(port, process.pid, args, "replay")
+            print("replay", report["replay"], flush=True)
+            if not args.skip_sdk:
+                report["sdk"] = run_sdk(port, process.pid, args, "sdk")
+                print("sdk", report["sdk"], flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=120)
+        report["disk"] = disk_usage(root, args.disk_samples)
+        print("disk", report["disk"], flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{args.output}.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
