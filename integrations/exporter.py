@@ -148,7 +148,7 @@ class StreamStats:
     points_dropped: int = 0
     build_cpu_seconds: float = 0.0  # background thread CPU time spent decoding and building batches
     export_cpu_seconds: float = 0.0  # background thread CPU time spent in the exporter
-    build_wall_seconds: list[float] = field(default_factory=list)
+    build_wall_seconds: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1024))
 
 
 _STOP = object()
@@ -253,7 +253,10 @@ class TelemetryStream:
     # --- engine thread -------------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Call once per decode step, outside graph capture: hands finished copies over, starts a due flush."""
+        """Call once per decode step, outside graph capture: hands finished copies over, starts a due flush.
+
+        Call it in idle iterations of the engine loop too: the time-based flush is checked here only.
+        """
         if self._closed:
             return
         self._polls_since_flush += 1

@@ -124,6 +124,9 @@ def assert_matches(snapshot, expected: Expected, steps: int) -> None:
     np.testing.assert_allclose(snapshot.histogram_sum, expected.histogram_sum, rtol=1e-12)
     np.testing.assert_array_equal(snapshot.histogram_min, expected.histogram_min)
     np.testing.assert_array_equal(snapshot.histogram_max, expected.histogram_max)
+    count = expected.histogram_counts.sum(-1)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_allclose(snapshot.finite_mean, expected.histogram_sum / count, rtol=1e-12)
     got = list(zip(snapshot.raw_layer, snapshot.raw_head, snapshot.raw_step, strict=True))
     assert got == [(layer, head, step) for layer, head, step, _ in expected.raw]
     np.testing.assert_array_equal(snapshot.raw_value, np.array([v for *_, v in expected.raw]))
