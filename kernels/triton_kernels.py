@@ -24,8 +24,9 @@ import triton.language as tl
 
 # 1.5 * 2**23: adding and subtracting it rounds a float32 |y| < 2**22 to the nearest integer, ties to
 # even, which is exactly torch.round.
-_ROUND_MAGIC = 12582912.0
-_FP32_INF = float("inf")
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+_FP32_INF = tl.constexpr(float("inf"))
+_NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -438,7 +439,7 @@ def _decode_stage1(
         one_hot = (outlier_channel[:, None] == channels[None, :]) & outlier_ok[:, None]  # [M, D]
         out += tl.sum(tl.where(one_hot[None, :, :], acc_outliers[:, :, None], 0.0), axis=1)
     safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
-    poison = tl.where(slots_ok, 0.0, float("nan"))
+    poison = tl.where(slots_ok, 0.0, _NAN)
     part_row = (row * num_q_heads + heads) * NUM_SPLITS + split
     tl.store(
         PartOut + part_row[:, None] * HEAD_DIM + channels[None, :],
@@ -489,15 +490,15 @@ def _decode_stage2(
     has_tokens = total > -_FP32_INF
     safe_total = tl.where(has_tokens, total, 0.0)
     weight = tl.where(lse > -_FP32_INF, tl.exp(lse - safe_total), 0.0)
-    weight = tl.where(lse != lse, float("nan"), weight)  # a poisoned split poisons the row
+    weight = tl.where(lse != lse, _NAN, weight)  # a poisoned split poisons the row
     weight_sum = tl.sum(weight, axis=0)
     global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -_FP32_INF)
-    global_lse = tl.where(weight_sum != weight_sum, float("nan"), global_lse)
+    global_lse = tl.where(weight_sum != weight_sum, _NAN, global_lse)
     norm = tl.where(has_tokens, weight / weight_sum, 0.0)
     channels = tl.arange(0, HEAD_DIM)
     parts = tl.load(PartOut + part[:, None] * HEAD_DIM + channels[None, :], mask=(norm > 0)[:, None], other=0.0)
     out = tl.sum(tl.where((norm > 0)[:, None], norm[:, None] * parts, 0.0), axis=0)
-    out = out + tl.where(weight_sum == weight_sum, 0.0, float("nan"))
+    out = out + tl.where(weight_sum == weight_sum, 0.0, _NAN)
     tl.store(Out + row * stride_ob + head * stride_oh + channels, out.to(Out.dtype.element_ty))
     tl.store(Lse + row * NUM_Q_HEADS + head, global_lse)
     if CERTIFICATE:
@@ -519,7 +520,7 @@ def _decode_stage2(
         p_max = tl.sum(tl.where(is_winner & live, p_arg, 0.0), axis=0)
         u_max = tl.sum(tl.where(is_winner & live, u_parts, 0.0), axis=0)
         nan_in = (tl.sum(tl.where(split_ok & (lse != lse), 1, 0), axis=0) > 0) | (weight_sum != weight_sum)
-        poison = tl.where(nan_in, float("nan"), 0.0)
+        poison = tl.where(nan_in, _NAN, 0.0)
 
         e_m = tl.exp(u_max)
         expm1_m, g_m = _expm1_and_g(u_max)
