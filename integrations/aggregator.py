@@ -1,9 +1,10 @@
 """The engine-side certificate aggregator: counts every certificate on the device, samples some of them.
 
 ``observe`` is called by the attention backend at every decode step, once per layer, with the
-certificates ``[B, H_q]`` the kernel just computed. It never synchronises with the host, never
-allocates (on the Triton path: one kernel launch, nothing else) and branches on no device value, so
-it can run inside a captured CUDA graph. All state lives in one preallocated int64 device buffer, so a
+certificates ``[B, H_q]`` the kernel just computed (or ``observe_layers`` once per step with all
+layers' ``[L, B, H_q]``: one launch instead of L, the cheaper choice). It never synchronises with the
+host, never allocates (on the Triton path: one kernel launch, nothing else) and branches on no device
+value, so it can run inside a captured CUDA graph. All state lives in one preallocated int64 device buffer, so a
 flush is a single device-to-host copy (``witcert.integrations.exporter`` does that asynchronously).
 
 Semantics (docs/TELEMETRY.md is the full statement):
@@ -614,7 +615,7 @@ class CertificateAggregator:
         value = certificates.to(torch.float32)
         row_index = torch.arange(num_rows, device=self.device).view(1, num_rows, 1)
         if active_rows is None:
-            rows_limit = torch.tensor(num_rows, device=self.device)
+            rows_limit = torch.full((), num_rows, device=self.device)  # a fill, not a host-to-device copy
         else:
             rows_limit = active_rows.reshape(()).clamp(max=num_rows)
         ok = (row_index < rows_limit).expand_as(value)
