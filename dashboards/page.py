@@ -19,8 +19,7 @@ import math
 import mimetypes
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
-from decimal import Decimal
+from datetime import UTC, datetime, timedelta
 from importlib import resources
 from typing import Any
 from urllib.parse import unquote
@@ -59,10 +58,6 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, datetime):
         moment = value if value.tzinfo else value.replace(tzinfo=UTC)
         return moment.timestamp()
-    if isinstance(value, date):
-        return datetime(value.year, value.month, value.day, tzinfo=UTC).timestamp()
-    if isinstance(value, Decimal):
-        value = float(value)
     if isinstance(value, float) and not math.isfinite(value):
         # JSON has no infinities; +inf is a valid (overflowed) bound and the page shows it as such.
         return None if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")

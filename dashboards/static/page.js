@@ -44,6 +44,8 @@ function query() {
   const now = Math.floor(Date.now() / 1000);
   params.set("from", String(now - Number(form.range.value)));
   params.set("to", String(now));
+  // Grafana derives a panel's interval from its width in pixels; half the window is a typical panel.
+  params.set("points", String(Math.min(2000, Math.max(100, Math.round(window.innerWidth / 2)))));
   // Lists travel as one parameter: items percent-encoded, then joined by commas.
   for (const select of document.querySelectorAll("#variables select")) {
     const values = Array.from(select.selectedOptions, (option) => option.value).filter((v) => v !== "");
