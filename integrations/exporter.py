@@ -158,9 +158,10 @@ class TelemetryStream:
     """Streams an aggregator's counts to ``exporter`` from a background thread; the engine never waits.
 
     ``flush_steps``/``flush_seconds``: a flush starts at the first ``poll`` after either has passed
-    since the previous flush. Each flush costs the background thread about 0.1 s of CPU for a 28 x 28
-    model (bench/results/aggregator_h200.json), hence the 10 s default; ``flush_steps`` must stay below
-    the aggregator's ring (128 sampled steps by default) or raw samples are overwritten, and counted.
+    since the previous flush. The background thread spends roughly 15-40 us of CPU per exported point
+    (docs/TELEMETRY.md); counters cost per flush, raw samples per sampled step, hence the 10 s default.
+    ``flush_steps`` must stay below the aggregator's ring (128 sampled steps by default) or raw samples
+    are overwritten, and counted.
     ``max_buffered_points``: data points held while the exporter fails.
     ``export_timeout_s``: the deadline handed to each export call. ``retry_backoff_s``: first and
     largest wait between retries of a failed export.
