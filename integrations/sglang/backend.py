@@ -1,0 +1,219 @@
+"""The ``witcert`` SGLang attention backend: decode and extend over the witcert pool, certified decode steps.
+
+Decode: the new token's K/V are quantized into its slot, then the fused kernel
+(``witcert.kernels.decode_attention``) returns the output and a certificate per (sequence, head).
+In ``gate`` mode every sequence with a head above ``tau`` is recomputed on the repair path
+(``witcert.integrations.gating.certified_decode``), paging exact K/V in from the pool's host backup.
+The certificates go to this TP rank's ``CertificateAggregator`` and, when a collector is configured,
+stream out over OTLP with the rank as a resource attribute.
+
+Extend (prefill, chunked prefill, prefix-cache hits): causal attention over the int8 pool
+(``witcert.kernels.extend_attention``) without a certificate; only decode steps are certified.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.runtime_context import get_parallel
+
+from witcert.integrations.aggregator import CertificateAggregator
+from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
+from witcert.integrations.gating import GateMode, certified_decode
+from witcert.integrations.sglang.checks import WitcertStartupError
+from witcert.integrations.sglang.pool import WitcertKVPool
+from witcert.kernels import decode_attention, extend_attention
+
+logger = logging.getLogger("witcert.sglang")
+
+
+@dataclass
+class WitcertForwardMetadata:
+    """Paging of one batch: sequence ``b`` reads slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    qo_indptr: torch.Tensor | None  # extend only: query rows of each sequence
+
+
+class WitcertAttnBackend(AttentionBackend):
+    """SGLang attention backend over a ``WitcertKVPool``; one aggregator (and OTLP stream) per TP rank."""
+
+    def __init__(self, model_runner) -> None:
+        super().__init__()
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, WitcertKVPool):
+            raise WitcertStartupError(
+                f"the witcert backend needs the witcert KV pool, but SGLang built {type(pool).__name__}: the "
+                "plugin's pool hook did not run (is the witcert plugin excluded by SGLANG_PLUGINS?)"
+            )
+        if model_runner.use_mla_backend:
+            raise WitcertStartupError("witcert covers multi-head / grouped-query attention, not MLA models")
+        self.pool = pool
+        self.settings = pool.settings
+        self.policy = pool.policy
+        self.device = torch.device(model_runner.device)
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        model_config = model_runner.model_config
+        self.num_q_heads = model_config.get_num_attention_heads(get_parallel().attn_tp_size)
+        # The union bound runs over every certificate of a request: all layers, all heads of all ranks.
+        self.delta_step = self.policy.delta_step(pool.layer_num, model_config.num_attention_heads)
+        self.forward_metadata: WitcertForwardMetadata | None = None
+        self.aggregator: CertificateAggregator | None = None
+        self.stream: TelemetryStream | None = None
+        if self.policy.mode is not GateMode.OFF:
+            self.aggregator = CertificateAggregator(
+                pool.layer_num, self.num_q_heads, tau=self.policy.tau, stride=self.policy.stride, device=self.device
+            )
+            if self.settings.collector_endpoint is not None:
+                server_args = model_runner.server_args
+                self.stream = TelemetryStream(
+                    self.aggregator,
+                    otlp_http_exporter(str(self.settings.collector_endpoint)),
+                    EngineIdentity(
+                        model=str(getattr(server_args, "served_model_name", None) or server_args.model_path),
+                        engine="sglang",
+                        tp_rank=get_parallel().tp_rank,
+                    ),
+                    flush_seconds=self.settings.flush_seconds,
+                )
+        logger.info(
+            "witcert backend: mode=%s tau=%s, %d B/token (fp16 would be %d B/token)",
+            self.policy.mode.value,
+            self.policy.tau,
+            pool.bytes_per_token,
+            pool.layer_num * 2 * pool.head_num * pool.head_dim * 2,
+        )
+
+    # --- metadata ----------------------------------------------------------------------------------
+
+    def _paging(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lens = seq_lens.to(device=self.device, dtype=torch.int64)
+        indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(lens, 0, out=indptr[1:])
+        total = int(indptr[-1])
+        rows = torch.repeat_interleave(req_pool_indices.to(self.device, torch.int64), lens, output_size=total)
+        starts = torch.repeat_interleave(indptr[:-1], lens, output_size=total)
+        positions = torch.arange(total, device=self.device) - starts
+        return indptr, self.req_to_token[rows, positions].to(torch.int64)
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        if not (mode.is_decode() or mode.is_extend()) or mode.is_target_verify():
+            raise RuntimeError(f"the witcert backend does not serve forward mode {mode.name}")
+        kv_indptr, kv_indices = self._paging(forward_batch.req_pool_indices, forward_batch.seq_lens)
+        qo_indptr = None
+        if mode.is_extend():
+            qo_indptr = torch.zeros_like(kv_indptr)
+            torch.cumsum(forward_batch.extend_seq_lens.to(self.device, torch.int64), 0, out=qo_indptr[1:])
+        self.forward_metadata = WitcertForwardMetadata(kv_indptr, kv_indices, qo_indptr)
+        if mode.is_decode() and self.stream is not None:
+            self.stream.poll()
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        raise WitcertStartupError(
+            "the witcert backend does not support CUDA graphs yet; launch with --cuda-graph-backend-decode disabled "
+            "--cuda-graph-backend-prefill disabled"
+        )
+
+    # --- forward -----------------------------------------------------------------------------------
+
+    def _check_layer(self, layer) -> None:
+        if layer.is_cross_attention or layer.qk_head_dim != layer.v_head_dim:
+            raise RuntimeError(f"layer {layer.layer_id}: witcert serves self-attention with equal K/V head dims")
+        if layer.logit_cap and layer.logit_cap > 0:
+            raise RuntimeError(f"layer {layer.layer_id}: logit soft-capping is outside the certificate's softmax model")
+        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            raise RuntimeError(f"layer {layer.layer_id}: sliding-window attention is not covered by witcert")
+
+    def _write(self, layer, forward_batch, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+        self._check_layer(layer)
+        if save_kv_cache:
+            self._write(layer, forward_batch, k, v)
+        meta = self.forward_metadata
+        local = layer.layer_id - self.pool.start_layer
+        query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(self.pool.dtype)
+        mode = self.policy.mode
+        result = decode_attention(
+            query,
+            self.pool.witcert,
+            local,
+            meta.kv_indptr,
+            meta.kv_indices,
+            sm_scale=layer.scaling,
+            delta_step=self.delta_step,
+            certificate=mode is not GateMode.OFF,
+        )
+        out, certificate = result.out, result.certificate
+        fallback = repaired = None
+        if mode is GateMode.GATE:
+            fallback, repaired = self._repair(layer, query, out, certificate)
+        if self.aggregator is not None:
+            self.aggregator.observe(local, certificate, fallback=fallback, repaired_bytes=repaired)
+        return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _repair(
+        self, layer, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recompute, in place, every sequence with a head above tau from exact K/V paged in block by block."""
+        meta = self.forward_metadata
+        local = layer.layer_id - self.pool.start_layer
+        batch, heads = certificate.shape
+        fallback = torch.zeros(batch, heads, dtype=torch.bool, device=self.device)
+        repaired = torch.zeros(batch, heads, dtype=torch.int64, device=self.device)
+        for row in (~(certificate <= self.policy.tau)).any(-1).nonzero().squeeze(-1).tolist():
+            slots = meta.kv_indices[int(meta.kv_indptr[row]) : int(meta.kv_indptr[row + 1])]
+            pool = self.pool.witcert
+            exact_mask = torch.zeros(slots.numel(), pool.kv_heads, dtype=torch.bool, device=self.device)
+            exact = torch.zeros(slots.numel(), pool.kv_heads, pool.head_dim, dtype=pool.dtype, device=self.device)
+
+            def fetch(positions: torch.Tensor, kv_head: int, slots=slots) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.pool.exact_rows(layer.layer_id, slots[positions], kv_head)
+
+            decoded = certified_decode(
+                query[row].float(),
+                pool.quantized(local, slots, "k"),
+                pool.dequantize(local, slots, "v"),
+                exact_mask,
+                exact,
+                exact.clone(),
+                sm_scale=layer.scaling,
+                delta=self.delta_step,
+                tau=self.policy.tau,
+                fetch=fetch,
+                block_size=self.policy.repair_block,
+            )
+            out[row] = decoded.out.to(out.dtype)
+            certificate[row] = decoded.certificate
+            fallback[row] = decoded.fallback
+            repaired[row] = decoded.repaired_bytes
+        return fallback, repaired
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+        self._check_layer(layer)
+        if save_kv_cache:
+            self._write(layer, forward_batch, k, v)
+        meta = self.forward_metadata
+        query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(self.pool.dtype)
+        result = extend_attention(
+            query,
+            self.pool.witcert,
+            layer.layer_id - self.pool.start_layer,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            sm_scale=layer.scaling,
+            delta_step=self.delta_step,
+            certificate=False,
+        )
+        return result.out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
