@@ -125,3 +125,13 @@ def test_page_loads_in_chromium_without_console_messages_and_fills_every_panel(b
     _chromium(f"--screenshot={screenshot}", f"{base_url}/", profile=tmp_path / "profile-shot")
     image = screenshot.read_bytes()
     assert image.startswith(b"\x89PNG") and len(image) > 50_000  # a blank page compresses to a few kB
+
+
+def test_a_link_fixes_the_first_view(base_url: str, tmp_path: Path):
+    """``witcert demo`` prints a link with the range, tau and selection: the page must start there."""
+    link = window(instance=quote("node-b"), tau="0.01")
+    dom = _chromium("--dump-dom", f"{base_url}/?{link}", profile=tmp_path / "profile").stdout
+    inf_stat = re.search(r'id="panel-inf_now".*?class="stat"[^>]*>([^<]*)<', dom, re.S)
+    assert inf_stat and inf_stat.group(1) == "400"  # node-b alone: 5 degraded minutes x 8 heads x 10
+    assert '<option value="0.01" selected="">0.01</option>' in dom
+    assert '<option value="linked" selected="">as linked</option>' in dom

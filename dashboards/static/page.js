@@ -7,6 +7,15 @@ const REFRESH_MS = 30000;
 const PALETTE = ["#73bf69", "#f2cc0c", "#8ab8ff", "#ff780a", "#f2495c", "#5794f2", "#b877d9", "#fade2a"];
 
 const state = { layout: null, charts: [], timer: null, generation: 0 };
+// A link may fix the first view: ?from=&to= (unix seconds), tau, and model / instance as lists in
+// the API's form (items percent-encoded, joined by commas). `witcert demo` prints such a link.
+const LINKED = new URLSearchParams(location.search);
+
+function linkedValues(variable) {
+  const text = LINKED.get(variable.name);
+  if (!text) return null;
+  return variable.multi ? text.split(",").map(decodeURIComponent) : [text];
+}
 
 function formatValue(value, unit) {
   if (value === "+Inf") return "\u221e";
@@ -41,9 +50,14 @@ function colorFor(value, min, max, higherIsBetter) {
 function query() {
   const form = document.getElementById("controls");
   const params = new URLSearchParams();
-  const now = Math.floor(Date.now() / 1000);
-  params.set("from", String(now - Number(form.range.value)));
-  params.set("to", String(now));
+  if (form.range.value === "linked") {
+    params.set("from", LINKED.get("from"));
+    params.set("to", LINKED.get("to"));
+  } else {
+    const now = Math.floor(Date.now() / 1000);
+    params.set("from", String(now - Number(form.range.value)));
+    params.set("to", String(now));
+  }
   // Grafana derives a panel's interval from its width in pixels; half the window is a typical panel.
   params.set("points", String(Math.min(2000, Math.max(100, Math.round(window.innerWidth / 2)))));
   // Lists travel as one parameter: items percent-encoded, then joined by commas.
@@ -75,9 +89,12 @@ function renderVariables(variables) {
     const select = document.createElement("select");
     select.name = variable.name;
     select.multiple = variable.multi;
-    const kept = previous[variable.name] || [variable.default];
-    for (const value of variable.options) {
-      const option = new Option(value, value, false, kept.includes(value));
+    const kept = previous[variable.name] || linkedValues(variable) || [variable.default];
+    const options = [...variable.options];
+    // A single-value variable (tau) accepts any positive number, not only the listed ones.
+    if (!variable.multi && kept[0] && !options.includes(kept[0])) options.push(kept[0]);
+    for (const value of options) {
+      const option = new Option(value, value, kept.includes(value), kept.includes(value));
       select.append(option);
     }
     select.addEventListener("change", () => refresh(false));
@@ -152,6 +169,16 @@ function toSeries(panel, data) {
   return { xs, names, columns: [xs, ...names.map((name) => xs.map((x) => series.get(name).get(x) ?? null))] };
 }
 
+// Fixed bounds where the panel has them; otherwise the data's, widened so a flat line (all zero
+// fallbacks, say) still gets a readable axis.
+function yRange(panel, min, max) {
+  const low = panel.min ?? (min ?? 0);
+  let high = panel.max ?? (max ?? 1);
+  const smallest = panel.unit === "percentunit" ? 0.01 : 1;
+  if (!(high - low >= smallest * 1e-3)) high = low + smallest;
+  return [low, high];
+}
+
 function renderTimeseries(panel, body, data) {
   const { xs, names, columns } = toSeries(panel, data);
   if (!xs.length) return false;
@@ -163,7 +190,7 @@ function renderTimeseries(panel, body, data) {
     // The x axis spans the requested range, not just the data, so gaps read as gaps.
     scales: {
       x: { time: true, range: () => [data.from, data.to] },
-      y: panel.max === 1 ? { range: [panel.min ?? 0, 1] } : {},
+      y: { range: (u, min, max) => yRange(panel, min, max) },
     },
     axes: [
       { stroke: "#8e8e8e", grid: { stroke: "#2c3235" } },
@@ -259,6 +286,10 @@ function schedule() {
   if (document.getElementById("controls").auto.checked) state.timer = setInterval(() => refresh(true), REFRESH_MS);
 }
 
+if (LINKED.get("from") && LINKED.get("to")) {
+  const range = document.getElementById("controls").range;
+  range.add(new Option("as linked", "linked", true, true));
+}
 document.getElementById("controls").addEventListener("submit", (event) => {
   event.preventDefault();
   refresh(true);
