@@ -25,7 +25,7 @@ _QUERY_HELP = """reports:
   tau            the tau each engine instance reported last
 
 examples:
-  witcert query coverage --from -6h --tau 0.05
+  witcert query coverage --from=-6h --tau 0.05   (relative times need the = form)
   witcert query worst-heads --url http://127.0.0.1:4318 --format json
 """
 
@@ -186,7 +186,7 @@ def _run_query(args: argparse.Namespace) -> int:
             result = _query_over_http(args.url, args.report, params, _read_token(args.token_file))
         else:
             result = _query_store(args.store or default_store_url(), args.report, params)
-    except (QueryError, RuntimeError) as error:
+    except (QueryError, RuntimeError) as error:  # StoreError is a RuntimeError
         print(f"witcert query: {error}", file=sys.stderr)
         return 1
     assert isinstance(result, QueryResult)
@@ -201,12 +201,20 @@ def _run_query(args: argparse.Namespace) -> int:
 
 def _query_store(url: str, report: str, params: dict[str, str]):
     from witcert.collector import api
+    from witcert.collector.migrations import MIGRATIONS_TABLE
     from witcert.collector.queries import Queries
-    from witcert.collector.store import Store
+    from witcert.collector.store import Store, parse_store_url
 
     window = api.window_from_params(params)
+    location = parse_store_url(url)
+    if location.kind == "chdb" and not (location.path and location.path.exists()):
+        raise RuntimeError(f"no chDB store at {location.path}: start `witcert collector --store {url}` first")
     store = Store(url, migrate=False)
     try:
+        _, rows = store.query(f"EXISTS TABLE {MIGRATIONS_TABLE}")
+        if rows != [(1,)]:
+            hint = f"run `witcert collector --store {url}` once"
+            raise RuntimeError(f"{location.describe()} has no witcert schema: {hint}")
         return Queries(store).run(report, window)
     finally:
         store.close()

@@ -82,7 +82,7 @@ class CollectorConfig(BaseModel):
     # Bearer token required on every OTLP and API request when set (read from --token-file).
     token: str | None = None
     # Spool records drained per store insert, and the longest a record waits for company.
-    batch_max_points: int = Field(500_000, ge=1)
+    batch_max_points: int = Field(200_000, ge=1)
     batch_max_wait_s: float = Field(0.5, ge=0.0)
     grpc_workers: int = Field(4, ge=1)
     limits: Limits = Field(default_factory=Limits)

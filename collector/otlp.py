@@ -12,8 +12,8 @@ one by one (OTLP partial success), never the whole request:
   histogram, summary), and attribute sets beyond the per-request cap (a flood).
 
 Metrics with unknown names are stored raw (and never typed). Certificate samples go straight into
-``witcert_certificate_samples`` rather than through ``otel_metrics_gauge``: a raw row with three
-Map columns costs about four times more to insert and to keep (docs/COLLECTOR.md).
+``witcert_certificate_samples`` rather than through ``otel_metrics_gauge``: a raw row with its
+Map columns costs about five times the insert time and twice the disk (docs/COLLECTOR.md).
 """
 
 from __future__ import annotations
