@@ -17,6 +17,7 @@ import threading
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import quote
 
 import torch
 from rich.console import Console
@@ -205,7 +206,7 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
         tokens = options.batch * cache.get_seq_length()
         dashboard = (
             f"{base_url}{PREFIX}/?from={int(window.start.timestamp())}&to={int(window.end.timestamp()) + 3600}"
-            f"&tau={policy.tau}&model={model_name}"
+            f"&tau={policy.tau}&model={quote(model_name)}"
         )
         summary = DemoSummary(
             model=model_name,
