@@ -107,6 +107,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_until_built(stream: TelemetryStream, timeout_s: float = 20.0) -> None:
+    """Wait until the background thread has built a batch from every flush started so far."""
+    deadline = time.monotonic() + timeout_s
+    while stream.stats.batches_built < stream.stats.flushes_started and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 @pytest.fixture
 def receiver():
     server = OTLPReceiver()
@@ -179,13 +186,12 @@ def test_exporter_down_drops_are_bounded_counted_and_reported_once_it_is_back():
         retry_backoff_s=(0.01, 0.05),
     )
     steps = synthetic_stream(12, 2, 2, 1, seed=11, padding=False)
+    deadline = time.monotonic() + 20
     for step in steps:
         run_stream(aggregator, [step])
         stream.poll()
-    deadline = time.monotonic() + 20
-    while (
-        stream.stats.export_failures == 0 or stream.stats.batches_built < len(steps)
-    ) and time.monotonic() < deadline:
+        wait_until_built(stream)  # one batch per step: else a flush due while both buffers are busy is skipped
+    while stream.stats.export_failures == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert stream.stats.export_failures > 0 and stream.stats.batches_built == len(steps)
     assert stream.stats.batches_exported == 0 and stream.stats.points_dropped > 0
@@ -214,6 +220,7 @@ def test_raw_samples_overwritten_on_the_device_are_counted_as_dropped(receiver):
     for step in steps:
         run_stream(aggregator, [step])
         stream.poll()
+        wait_until_built(stream)  # a flush skipped under load would move the batch boundaries
     stream.close()
     raw = receiver.raw_samples()
     assert sorted({step for _, _, step, _ in raw}) == [4, 9]  # the ring held one step at each flush
