@@ -1,0 +1,383 @@
+"""The SGLang plugin against SGLang 0.5.23's real classes, on CPU (Triton kernels in the interpreter).
+
+Needs ``pip install --no-deps sglang==0.5.23`` and ``integrations/sglang/requirements-test.txt``;
+skipped, with that reason, where SGLang is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from witcert.integrations.sglang.checks import ServingFeatures, WitcertStartupError, refusals
+from witcert.integrations.sglang.config import ConfigError, load_settings
+from witcert.kernels import reference, select_path
+
+try:
+    importlib.metadata.version("sglang")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip(
+        "SGLang is not installed: pip install --no-deps sglang==0.5.23 && "
+        "pip install -r integrations/sglang/requirements-test.txt",
+        allow_module_level=True,
+    )
+
+import sglang_torchvision_shim  # noqa: E402
+
+sglang_torchvision_shim.install()
+
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
+from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (  # noqa: E402
+    DenseAttentionCase,
+    MockModelRunner,
+    TinyModelConfig,
+)
+
+from witcert.integrations.sglang import plugin  # noqa: E402
+from witcert.integrations.sglang.pool import WitcertKVPool  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+MAX_CONTEXT = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_loaded():
+    """SGLang's own loader: discovers the entry point, runs ``register`` and applies the hooks."""
+    load_plugins()
+
+
+# --- configuration and launch checks -------------------------------------------------------------------
+
+
+def test_settings_parse_every_variable_and_name_the_bad_one():
+    settings = load_settings(
+        {"WITCERT_MODE": "gate", "WITCERT_TAU": "0.1", "WITCERT_OUTLIER_PAIRS": "2", "WITCERT_V_DITHER": "false"}
+    )
+    assert (settings.mode.value, settings.tau, settings.outlier_pairs, settings.v_dither) == ("gate", 0.1, 2, False)
+    assert settings.policy().tau == 0.1 and settings.collector_endpoint is None
+    with pytest.raises(ConfigError, match="WITCERT_TAUU"):
+        load_settings({"WITCERT_TAUU": "0.1"})
+    with pytest.raises(ConfigError, match="WITCERT_TAU='1.5'"):
+        load_settings({"WITCERT_TAU": "1.5"})
+    with pytest.raises(ConfigError, match="WITCERT_DITHER_BITS='7'"):
+        load_settings({"WITCERT_DITHER_BITS": "7"})
+    with pytest.raises(ConfigError, match="WITCERT_COLLECTOR_ENDPOINT"):
+        load_settings({"WITCERT_COLLECTOR_ENDPOINT": "not a url"})
+
+
+NO_GRAPHS = {"cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled"}
+
+
+@pytest.mark.parametrize(
+    ("options", "phrase"),
+    [
+        ({"enable_hierarchical_cache": True}, "hierarchical cache"),
+        ({"disaggregation_mode": "decode"}, "PD disaggregation"),
+        ({"speculative_algorithm": "EAGLE"}, "speculative decoding"),
+        ({"decode_attention_backend": "flashinfer"}, "FlashInfer"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "kv-cache-dtype"),
+        ({"cuda_graph_backend_decode": "full"}, "CUDA graphs"),
+    ],
+)
+def test_unsupported_features_are_refused(options, phrase):
+    server_args = ServerArgs(model_path="dummy", attention_backend="witcert", **{**NO_GRAPHS, **options})
+    with pytest.raises(WitcertStartupError, match=phrase):
+        plugin.check_launch(None, server_args)
+
+
+def test_a_supported_launch_passes_and_other_backends_are_left_alone():
+    plugin.check_launch(None, ServerArgs(model_path="dummy", attention_backend="witcert", **NO_GRAPHS))
+    features = ServingFeatures.from_server_args(
+        ServerArgs(model_path="dummy", attention_backend="triton", enable_hierarchical_cache=True)
+    )
+    assert not features.witcert_requested and refusals(features) == []
+
+
+# --- plugin loading and hooks ----------------------------------------------------------------------------
+
+
+def test_entry_point_loads_through_sglangs_loader():
+    (entry,) = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "witcert"]
+    assert entry.value == "witcert.integrations.sglang:register" and entry.dist.name == "witcert"
+    assert ATTENTION_BACKENDS["witcert"] is plugin.create_witcert_backend
+    assert "witcert" in ATTENTION_BACKEND_CHOICES
+    assert plugin.missing_hooks() == []
+
+
+def test_a_hook_that_did_not_apply_is_reported():
+    hooked = DefaultPoolConfigurator._compute_cell_size
+    DefaultPoolConfigurator._compute_cell_size = hooked.__wrapped__
+    try:
+        assert plugin.missing_hooks() == [plugin.CELL_SIZE_TARGET]
+        with pytest.raises(WitcertStartupError, match="_compute_cell_size"):
+            plugin.verify_hooks()
+    finally:
+        DefaultPoolConfigurator._compute_cell_size = hooked
+    plugin.verify_hooks()
+
+
+# --- capacity: SGLang's configurator sizes the pool with the int8 byte account ---------------------------
+
+
+def _configurator_inputs(backend: str, num_layers: int, kv_heads: int, head_dim: int) -> SimpleNamespace:
+    """The fields of ``KVCacheConfigurator`` that ``DefaultPoolConfigurator`` reads for a plain MHA model."""
+    model_config = TinyModelConfig(
+        num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=1024, context_len=4096
+    )
+    return SimpleNamespace(
+        server_args=ServerArgs(model_path="dummy", attention_backend=backend),
+        model_config=model_config,
+        kv_cache_dtype=torch.float16,
+        kv_cache_dtype_str="auto",
+        use_mla_backend=False,
+        layer_info=SimpleNamespace(num_effective_layers=num_layers, start_layer=0, end_layer=num_layers),
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        is_draft_worker=False,
+        pp_size=1,
+    )
+
+
+@pytest.mark.parametrize(("outlier_pairs", "group_size"), [(0, 32), (2, 32), (4, 64)])
+def test_capacity_follows_the_int8_layout_to_the_byte(monkeypatch, outlier_pairs, group_size):
+    monkeypatch.setenv("WITCERT_OUTLIER_PAIRS", str(outlier_pairs))
+    monkeypatch.setenv("WITCERT_GROUP_SIZE", str(group_size))
+    layers, kv_heads, head_dim, budget = 6, 2, 128, 10**9
+    # Per layer, per side, per KV head: D int8 codes + D/G fp16 scales + 2m fp16 outlier values.
+    per_head = head_dim + 2 * head_dim // group_size + 2 * 2 * outlier_pairs
+    with (
+        get_parallel().override(attn_tp_size=1, attn_dcp_size=1),
+        get_context().override_server_args(max_total_tokens=None),
+    ):
+        fp16 = DefaultPoolConfigurator(_configurator_inputs("triton", layers, kv_heads, head_dim))
+        ours = DefaultPoolConfigurator(_configurator_inputs("witcert", layers, kv_heads, head_dim))
+        assert fp16._cell_size == layers * 2 * kv_heads * head_dim * 2
+        assert ours._cell_size == layers * 2 * kv_heads * per_head
+        tokens = ours.calculate_pool_sizes(budget, 1).max_total_num_tokens
+        fp16_tokens = fp16.calculate_pool_sizes(budget, 1).max_total_num_tokens
+    assert tokens == budget // (layers * 2 * kv_heads * per_head)
+    if (outlier_pairs, group_size) == (0, 32):
+        assert tokens / fp16_tokens == pytest.approx(256 / 136, rel=1e-4)  # the 1.88x of the byte account
+
+    pool = _pool_from_configurator(num_rows=tokens // 1000, layers=layers, kv_heads=kv_heads, head_dim=head_dim)
+    assert sum(pool.get_kv_size_bytes()) == pool.num_rows * ours._cell_size == pool.num_rows * pool.bytes_per_token
+    assert pool.witcert.bytes_per_token == ours._cell_size
+
+
+def _pool_from_configurator(*, num_rows: int, layers: int, kv_heads: int, head_dim: int, page_size: int = 1):
+    """The pool class SGLang's configurator resolves, built with the arguments its MHA path passes."""
+    configurator = SimpleNamespace(
+        server_args=ServerArgs(model_path="dummy", attention_backend="witcert"),
+        use_mla_backend=False,
+        is_hybrid_swa=False,
+        mambaish_config=None,
+    )
+    pool_class = KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mha", default=MHATokenToKVPool)
+    assert pool_class is WitcertKVPool
+    return pool_class(
+        num_rows - page_size,
+        page_size=page_size,
+        dtype=torch.float16,
+        head_num=kv_heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=layers - 1,
+        enable_alt_stream=False,
+        enable_kv_cache_copy=False,
+        post_capture_active=False,
+    )
+
+
+def test_pool_hook_refuses_other_pool_kinds_and_an_unaccounted_capacity(monkeypatch):
+    configurator = SimpleNamespace(
+        server_args=ServerArgs(model_path="dummy", attention_backend="witcert"),
+        use_mla_backend=True,
+        is_hybrid_swa=False,
+        mambaish_config=None,
+    )
+    with pytest.raises(WitcertStartupError, match="'mla'"):
+        KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mla", default=MHATokenToKVPool)
+    configurator.use_mla_backend = False
+    monkeypatch.setattr(plugin, "_capacity_accounted", False)
+    with pytest.raises(WitcertStartupError, match="savings would sit idle"):
+        KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mha", default=MHATokenToKVPool)
+    configurator.server_args = ServerArgs(model_path="dummy", attention_backend="triton")
+    assert KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mha", default=MHATokenToKVPool) is (
+        MHATokenToKVPool
+    )
+
+
+def test_moving_a_token_between_slots_is_refused(monkeypatch):
+    monkeypatch.setattr(plugin, "_capacity_accounted", True)
+    pool = _pool_from_configurator(num_rows=8, layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    assert pool.get_key_buffer(0).dtype == torch.int8
+    with pytest.raises(RuntimeError, match="dither"):
+        pool.move_kv_cache(torch.tensor([1]), torch.tensor([2]))
+
+
+# --- attention through SGLang's backend registry --------------------------------------------------------
+
+
+def _slot(sequence: int, position: int) -> int:
+    return 1 + sequence * MAX_CONTEXT + position
+
+
+def _runner_and_backend(monkeypatch, mode: str, prefix_lens: tuple[int, ...], forward_mode: ForwardMode):
+    monkeypatch.setenv("WITCERT_MODE", mode)
+    monkeypatch.setattr(plugin, "_capacity_accounted", True)
+    case = DenseAttentionCase(
+        name="witcert",
+        backend="witcert",
+        forward_mode=forward_mode,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        page_size=1,
+        prefix_lens=prefix_lens,
+        extend_lens=(3,) * len(prefix_lens),
+    )
+    model_config = TinyModelConfig(
+        num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM, context_len=MAX_CONTEXT
+    )
+    runner = MockModelRunner(
+        case=case,
+        model_config=model_config,
+        dtype=torch.float16,
+        device="cpu",
+        max_context_len=MAX_CONTEXT,
+        head_dim=HEAD_DIM,
+    )
+    runner.token_to_kv_pool = _pool_from_configurator(
+        num_rows=runner.token_to_kv_pool.size + 1, layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+    )
+    backend = ATTENTION_BACKENDS["witcert"](runner)
+    layer = RadixAttention(
+        num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, layer_id=0
+    )
+    generator = torch.Generator().manual_seed(len(prefix_lens) * 7 + len(mode))
+    for sequence, length in enumerate(prefix_lens):
+        slots = torch.tensor([_slot(sequence, i) for i in range(length)])
+        k, v = torch.randn(2, length, KV_HEADS, HEAD_DIM, generator=generator).half()
+        runner.token_to_kv_pool.set_kv_buffer(layer, slots, k, v)
+    return case, runner, backend, layer, generator
+
+
+def _forward_batch(case: DenseAttentionCase, runner) -> ForwardBatch:
+    seq_lens = case.seq_lens
+    out_cache_loc, positions = [], []
+    for sequence, (prefix, new) in enumerate(zip(case.prefix_lens, case.input_lens, strict=True)):
+        for position in range(prefix + new):
+            runner.req_to_token_pool.req_to_token[sequence, position] = _slot(sequence, position)
+        positions += list(range(prefix, prefix + new))
+        out_cache_loc += [_slot(sequence, p) for p in range(prefix, prefix + new)]
+    batch = ForwardBatch(
+        forward_mode=case.forward_mode,
+        batch_size=case.batch_size,
+        input_ids=torch.zeros(case.num_input_tokens, dtype=torch.int64),
+        req_pool_indices=torch.arange(case.batch_size, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.int64),
+        seq_lens_sum=sum(seq_lens),
+        positions=torch.tensor(positions, dtype=torch.int64),
+    )
+    if case.forward_mode.is_extend():
+        batch.extend_prefix_lens = torch.tensor(case.prefix_lens, dtype=torch.int32)
+        batch.extend_seq_lens = torch.tensor(case.input_lens, dtype=torch.int32)
+        batch.extend_prefix_lens_cpu = list(case.prefix_lens)
+        batch.extend_seq_lens_cpu = list(case.input_lens)
+        batch.extend_num_tokens = case.num_input_tokens
+    runner.kv_index_translator.bind_own_plan(batch)
+    return batch
+
+
+def _new_tokens(case: DenseAttentionCase, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    rows = case.num_input_tokens
+    q = torch.randn(rows, HEADS * HEAD_DIM, generator=generator).half()
+    k, v = torch.randn(2, rows, KV_HEADS * HEAD_DIM, generator=generator).half()
+    return q, k, v
+
+
+def test_decode_through_the_backend_matches_the_reference(monkeypatch):
+    case, runner, backend, layer, generator = _runner_and_backend(monkeypatch, "observe", (5, 11), ForwardMode.DECODE)
+    batch = _forward_batch(case, runner)
+    q, k, v = _new_tokens(case, generator)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, layer, batch)
+    assert out.shape == (2, HEADS * HEAD_DIM) and out.dtype == torch.float16
+    assert select_path(torch.device("cpu")) == "triton-interpreter"  # the Triton kernels ran, not the reference
+
+    pool = runner.token_to_kv_pool.witcert
+    covered = 0
+    for sequence, length in enumerate(case.seq_lens):
+        slots = torch.tensor([_slot(sequence, i) for i in range(length)])
+        expected = reference.decode_attention(
+            q[sequence].view(HEADS, HEAD_DIM).float(),
+            pool.quantized(0, slots, "k"),
+            pool.quantized(0, slots, "v"),
+            sm_scale=layer.scaling,
+            delta_step=backend.delta_step,
+        )
+        torch.testing.assert_close(out[sequence].view(HEADS, HEAD_DIM).float(), expected.out, atol=2e-3, rtol=0)
+        covered += int((expected.certificate <= backend.policy.tau).sum())
+    snapshot = backend.aggregator.snapshot()
+    assert int(snapshot.samples.sum()) == 2 * HEADS
+    assert int(snapshot.covered.sum()) == covered
+    assert int(snapshot.fallbacks.sum()) == 0
+
+
+def test_extend_through_the_backend_is_causal_over_the_pool(monkeypatch):
+    case, runner, backend, layer, generator = _runner_and_backend(monkeypatch, "off", (4,), ForwardMode.EXTEND)
+    batch = _forward_batch(case, runner)
+    q, k, v = _new_tokens(case, generator)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, layer, batch)
+    pool = runner.token_to_kv_pool.witcert
+    for token in range(case.num_input_tokens):
+        slots = torch.tensor([_slot(0, i) for i in range(case.prefix_lens[0] + token + 1)])
+        expected = reference.decode_attention(
+            q[token].view(HEADS, HEAD_DIM).float(),
+            pool.quantized(0, slots, "k"),
+            pool.quantized(0, slots, "v"),
+            sm_scale=layer.scaling,
+            delta_step=0.5,
+        )
+        torch.testing.assert_close(out[token].view(HEADS, HEAD_DIM).float(), expected.out, atol=2e-3, rtol=0)
+    assert backend.aggregator is None
+
+
+def test_gate_mode_repairs_heads_above_tau_from_the_exact_backup(monkeypatch):
+    monkeypatch.setenv("WITCERT_TAU", "1e-4")  # far below any certificate of an int8 cache: every head repairs
+    case, runner, backend, layer, generator = _runner_and_backend(monkeypatch, "gate", (6,), ForwardMode.DECODE)
+    batch = _forward_batch(case, runner)
+    q, k, v = _new_tokens(case, generator)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, layer, batch)
+
+    pool = runner.token_to_kv_pool
+    slots = torch.tensor([_slot(0, i) for i in range(case.seq_lens[0])])
+    exact_k, exact_v = (pool.exact[side][0, slots].float() for side in (0, 1))
+    group = HEADS // KV_HEADS
+    logits = layer.scaling * torch.einsum(
+        "hd,shd->hs", q[0].view(HEADS, HEAD_DIM).float(), exact_k.repeat_interleave(group, 1)
+    )
+    exact_out = torch.einsum("hs,shd->hd", logits.softmax(-1), exact_v.repeat_interleave(group, 1))
+    # Repaired until the certificate is below 1e-4: the output is the exact attention, up to fp16 rounding.
+    torch.testing.assert_close(out[0].view(HEADS, HEAD_DIM).float(), exact_out, atol=2e-3, rtol=0)
+    snapshot = backend.aggregator.snapshot()
+    assert int(snapshot.fallbacks.sum()) >= 1 and int(snapshot.repaired_bytes.sum()) > 0
+    assert int(snapshot.covered.sum()) == HEADS
