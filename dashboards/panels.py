@@ -136,15 +136,47 @@ def _timeseries(
     return PanelQuery(ref_id, sql, (TIME, *labels, *values), labels)
 
 
-def _coverage_query(labels: tuple[str, ...]) -> PanelQuery:
-    return _timeseries(
-        "A",
-        "buckets",
-        "UpperBound, Count",
-        f"{_COVERED_AT_TAU} / nullIf(sum(Count), 0) AS coverage_at_tau",
-        labels,
-        ("coverage_at_tau",),
+# Grouping keys of coverage queries: (output column, expression over rollup columns, column read).
+Key = tuple[str, str, str]
+KEY_TIME: Key = (TIME, "t", "")
+KEY_MODEL: Key = ("model", "Model", "Model")
+KEY_LAYER_LABEL: Key = ("layer", _LABELS["layer"][1], "Layer")
+KEY_LAYER: Key = ("layer", "Layer", "Layer")
+KEY_HEAD: Key = ("head", "Head", "Head")
+
+
+def coverage_sql(keys: tuple[Key, ...], value: str = "coverage_at_tau") -> str:
+    """Coverage at tau per ``keys``: P(finite) x P(<= tau | finite).
+
+    The histogram holds finite sampled certificates only, so its share at or below tau alone would
+    count +inf and NaN certificates as if they were absent; the counters know their share among all
+    certificates, and multiplying keeps such certificates uncovered, as they are.
+    """
+    names = ", ".join(name for name, _, _ in keys)
+    selects = "".join(f"{expression} AS {name}, " for name, expression, _ in keys)
+    sources = "".join(f", {column}" for _, _, column in keys if column)
+    real_heads = [f"{column} != {NO_LAYER_OR_HEAD}" for _, _, column in keys if column in ("Layer", "Head")]
+    where = f"  WHERE {' AND '.join(real_heads)}\n" if real_heads else ""
+    group = f"  GROUP BY {names}\n" if keys else ""
+    finite_share = (
+        f"(\n  SELECT {selects}{_COVERED_AT_TAU} / nullIf(sum(Count), 0) AS covered_share\n"
+        f"  FROM {rollup('buckets', 'UpperBound, Count' + sources)}\n{where}{group})"
     )
+    non_finite = (
+        f"(\n  SELECT {selects}sum(Infinite + NaNs) / nullIf(sum(Certificates), 0) AS non_finite_share\n"
+        f"  FROM {rollup('counts', 'Infinite, NaNs, Certificates' + sources)}\n{group})"
+    )
+    join = f"LEFT JOIN {non_finite} AS non_finite USING ({names})" if keys else f"CROSS JOIN {non_finite} AS non_finite"
+    return (
+        f"SELECT {names + ', ' if keys else ''}covered_share * (1 - ifNull(non_finite_share, 0)) AS {value}\n"
+        f"FROM {finite_share} AS finite\n{join}" + (f"\nORDER BY {names}" if keys else "")
+    )
+
+
+def _coverage_query(label: Key | None = None) -> PanelQuery:
+    keys = (KEY_TIME, label) if label else (KEY_TIME,)
+    labels = (label[0],) if label else ()
+    return PanelQuery("A", coverage_sql(keys), (TIME, *labels, "coverage_at_tau"), labels)
 
 
 def _matrix_query(select: str, value: str, family: Literal["counts", "buckets"], columns: str) -> PanelQuery:
@@ -181,7 +213,7 @@ VARIABLES: tuple[VariableSpec, ...] = (
         name="tau",
         label="tau",
         description="Threshold on the certificate (a bound on TV distance): coverage is the share of "
-        "sampled certificates at or below it, counted from whole histogram buckets (a lower bound)",
+        "certificates at or below it, read from the sampled histogram in whole buckets (a lower bound)",
         choices=("0.001", "0.01", "0.0316", "0.05", "0.1", "0.316", "1"),
         default="0.1",
     ),
@@ -192,16 +224,10 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec(
         key="coverage_now",
         title="Coverage at tau",
-        description="Share of sampled certificates <= tau over the whole range (whole buckets only: a lower bound).",
+        description="Share of certificates <= tau over the range: finite sampled certificates in whole buckets "
+        "<= tau (a lower bound), times the share of finite certificates (+inf and NaN count as not covered).",
         kind="stat",
-        queries=(
-            PanelQuery(
-                "A",
-                f"SELECT {_COVERED_AT_TAU} / nullIf(sum(Count), 0) AS coverage_at_tau\n"
-                f"FROM {rollup('buckets', 'UpperBound, Count')}",
-                ("coverage_at_tau",),
-            ),
-        ),
+        queries=(PanelQuery("A", coverage_sql(()), ("coverage_at_tau",)),),
         unit="percentunit",
         section="Summary",
         width=6,
@@ -273,11 +299,11 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec(
         key="coverage_overall",
         title="Coverage over time at tau",
-        description="Sampled certificates <= tau (histogram buckets), and certificates covered at the engine's "
-        "own tau over every decode step.",
+        description="Coverage at tau (as in the summary), and certificates covered at the engine's own tau "
+        "over every decode step.",
         kind="timeseries",
         queries=(
-            _coverage_query(()),
+            _coverage_query(),
             _timeseries(
                 "B",
                 "counts",
@@ -297,9 +323,9 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec(
         key="coverage_by_model",
         title="Coverage at tau by model",
-        description="Sampled certificates <= tau, one series per model.",
+        description="Coverage at tau (as in the summary), one series per model.",
         kind="timeseries",
-        queries=(_coverage_query(("model",)),),
+        queries=(_coverage_query(KEY_MODEL),),
         unit="percentunit",
         section="Coverage",
         min_value=0,
@@ -309,9 +335,9 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec(
         key="coverage_by_layer",
         title="Coverage at tau by layer",
-        description="Sampled certificates <= tau, one series per layer.",
+        description="Coverage at tau (as in the summary), one series per layer.",
         kind="timeseries",
-        queries=(_coverage_query(("layer",)),),
+        queries=(_coverage_query(KEY_LAYER_LABEL),),
         unit="percentunit",
         section="Coverage",
         min_value=0,
@@ -321,14 +347,13 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec(
         key="coverage_heatmap",
         title="Coverage at tau, layer x head",
-        description="Sampled certificates <= tau for each (layer, head) over the range.",
+        description="Coverage at tau (as in the summary) for each (layer, head) over the range.",
         kind="matrix",
         queries=(
-            _matrix_query(
-                f"{_COVERED_AT_TAU} / nullIf(sum(Count), 0)",
-                "coverage_at_tau",
-                "buckets",
-                "UpperBound, Count",
+            PanelQuery(
+                "A",
+                coverage_sql((KEY_LAYER, KEY_HEAD)),
+                ("layer", "head", "coverage_at_tau"),
             ),
         ),
         unit="percentunit",
