@@ -30,6 +30,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, reference
+from witcert.kernels.attention import LAUNCH, LaunchConfig
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 ROTATE_BYTES = 512 * 2**20
@@ -136,12 +137,38 @@ def bench_write(tokens: int = 2**20) -> dict:
     }
 
 
+SWEEP = [
+    LaunchConfig(64, 4, 2),
+    LaunchConfig(32, 4, 2),
+    LaunchConfig(128, 4, 2),
+    LaunchConfig(64, 8, 2),
+    LaunchConfig(128, 8, 2),
+    LaunchConfig(64, 4, 3),
+    LaunchConfig(64, 4, 1),
+]
+
+
+def sweep_launch(delta: float) -> list[dict]:
+    """Time the int8 kernel with certificate at B=32, S=16k for each launch config; keep the fastest."""
+    rows = []
+    for config in SWEEP:
+        LAUNCH.block_n, LAUNCH.num_warps, LAUNCH.num_stages = config.block_n, config.num_warps, config.num_stages
+        row = bench_decode(32, 16384, False, delta)
+        rows.append({"config": config.__dict__, **row})
+        print(f"sweep {config}: " + " ".join(f"{k}={v.get('ms', float('nan')):.4f}" for k, v in row.items()
+                                             if isinstance(v, dict)), flush=True)  # fmt: skip
+    best = min(rows, key=lambda r: r["int8_cert"].get("ms", math.inf))["config"]
+    LAUNCH.block_n, LAUNCH.num_warps, LAUNCH.num_stages = best["block_n"], best["num_warps"], best["num_stages"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--v-dither", choices=["on", "off", "both"], default="both")
     parser.add_argument("--output", type=Path, default=Path("bench/results/kernels_h200.json"))
+    parser.add_argument("--sweep", action="store_true", help="first pick the launch config (B=32, S=16k)")
     args = parser.parse_args()
     delta = reference.delta_step(28, Q_HEADS)
     results = {
@@ -155,6 +182,9 @@ def main() -> None:
         "write": bench_write(),
         "decode": [],
     }
+    if args.sweep:
+        results["sweep"] = sweep_launch(delta)
+    results["launch"] = LAUNCH.__dict__
     print(f"copy {results['copy_tbps']:.2f} TB/s; write {results['write']}", flush=True)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.v_dither]
     for v_dither in modes:

@@ -24,8 +24,20 @@ from witcert.kernels import reference
 from witcert.kernels.backend import Path, kernels_module, select_path
 from witcert.kernels.pool import KVPool
 
-_BLOCK_N = 64
 _MAX_SPLITS = 64
+
+
+@dataclass
+class LaunchConfig:
+    """Tile and launch parameters of the stage-1 kernels (the benchmark sweeps them; docs/KERNELS.md)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Module-level so an engine (or the benchmark) can retune once; read at every launch.
+LAUNCH = LaunchConfig()
 _sm_count: dict[int, int] = {}
 
 
@@ -167,7 +179,7 @@ def _run_triton(
         NUM_KV_HEADS=pool.kv_heads,
         KV_GROUP=kv_group,
         BLOCK_H=block_h,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=LAUNCH.block_n,
         HEAD_DIM=head_dim,
         GROUP_SIZE=pool.group_size,
         DITHER_BITS=pool.dither_bits,
@@ -178,6 +190,8 @@ def _run_triton(
         CERTIFICATE=certificate,
         NUM_SPLITS=num_kv_splits,
         INTERPRETED=device.type != "cuda",
+        num_warps=LAUNCH.num_warps,
+        num_stages=LAUNCH.num_stages,
     )
     certificate_outputs = tuple(stats[i] for i in range(5)) if certificate else (stats[0],) * 5
     kernels._decode_stage2[(rows, num_q_heads)](
@@ -450,9 +464,11 @@ def decode_attention_fp16(
         NUM_KV_HEADS=kv_heads,
         KV_GROUP=kv_group,
         BLOCK_H=block_h,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=LAUNCH.block_n,
         HEAD_DIM=head_dim,
         NUM_SPLITS=splits,
+        num_warps=LAUNCH.num_warps,
+        num_stages=LAUNCH.num_stages,
     )
     kernels._decode_stage2[(rows, num_q_heads)](
         part_out,
