@@ -209,7 +209,12 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError as error:
                 self._error(HTTPStatus.BAD_REQUEST, str(error), content_type)
                 return
-        result = self.server.collector.ingest(body, content_type)
+        try:
+            result = self.server.collector.ingest(body, content_type)
+        except Exception:  # a bug must cost one request, not the connection or the service
+            log.exception("ingest failed")
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error while ingesting", content_type)
+            return
         if result.outcome is Outcome.INVALID:
             self._error(HTTPStatus.BAD_REQUEST, result.message, content_type)
             return

@@ -109,6 +109,7 @@ class Collector:
         self._http = None
         self._grpc = None
         self._store_down_since: float | None = None
+        self._stopping = False
         self._last_store_error = ""
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -136,6 +137,7 @@ class Collector:
 
     def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Stop receiving, give the drain up to ``drain_timeout_s`` to store what is spooled, close."""
+        self._stopping = True
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
@@ -204,6 +206,8 @@ class Collector:
         """Decode, validate, spool (fsync) one decompressed OTLP request body."""
         assert self.spool is not None
         self.counters.add(requests=1)
+        if self._stop.is_set() or self._stopping:
+            return IngestResult(Outcome.UNAVAILABLE, "the collector is shutting down")
         key = request_key(body)
         if self.spool.is_duplicate(key):
             self.counters.add(duplicates=1)
@@ -225,6 +229,10 @@ class Collector:
             except SpoolFull as error:
                 self.counters.add(refused_requests=1)
                 return IngestResult(Outcome.UNAVAILABLE, str(error))
+            except OSError as error:  # disk full or failing: nothing was acknowledged, the client retries
+                log.error("spool write failed: %s", error)
+                self.counters.add(refused_requests=1)
+                return IngestResult(Outcome.UNAVAILABLE, f"spool write failed: {error.strerror or error}")
         self.counters.add(accepted_points=batch.accepted_points, rejected_points=batch.rejected_points)
         return IngestResult(Outcome.ACCEPTED, batch.error_message, batch.accepted_points, batch.rejected_points)
 

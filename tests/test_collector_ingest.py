@@ -15,6 +15,7 @@ import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import grpc
 import pytest
 from google.protobuf import json_format
 from google.rpc import status_pb2
@@ -196,7 +197,10 @@ def test_sdk_http_exporter_end_to_end_exact_counts(collector):
 def test_sdk_grpc_exporter_and_retry_is_not_double_counted(collector):
     model = _model()
     exporter = GrpcExporter(
-        endpoint=f"127.0.0.1:{collector.ports.grpc}", insecure=True, headers={"authorization": f"Bearer {TOKEN}"}
+        endpoint=f"127.0.0.1:{collector.ports.grpc}",
+        insecure=True,
+        headers={"authorization": f"Bearer {TOKEN}"},
+        compression=grpc.Compression.Gzip,
     )
     data = _samples_data(model, [0.01] * 30)
     assert exporter.export(data) is MetricExportResult.SUCCESS
@@ -212,6 +216,15 @@ def test_grpc_without_token_is_refused(collector):
     exporter = GrpcExporter(endpoint=f"127.0.0.1:{collector.ports.grpc}", insecure=True, timeout=5)
     assert exporter.export(_samples_data(_model(), [0.1])) is MetricExportResult.FAILURE
     exporter.shutdown()
+
+
+def test_grpc_garbage_is_invalid_argument(collector):
+    with grpc.insecure_channel(f"127.0.0.1:{collector.ports.grpc}") as channel:
+        export = channel.unary_unary("/opentelemetry.proto.collector.metrics.v1.MetricsService/Export")
+        with pytest.raises(grpc.RpcError) as error:
+            export(b"\xff\xfe garbage", metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a protobuf" in error.value.details()
 
 
 def test_otlp_json_and_replayed_body(collector, client):
@@ -284,7 +297,8 @@ def _raw_post(collector, body: bytes, headers: dict[str, str], path: str = "/v1/
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, response.read(), dict(response.headers)
     except urllib.error.HTTPError as error:
-        return error.code, error.read(), dict(error.headers)
+        with error:
+            return error.code, error.read(), dict(error.headers)
 
 
 def _gzip_bomb() -> bytes:
@@ -331,7 +345,8 @@ def test_wrong_path_and_method(collector):
     request = urllib.request.Request(f"http://127.0.0.1:{collector.ports.http}/v1/metrics", method="PUT", headers=AUTH)
     with pytest.raises(urllib.error.HTTPError) as error:
         urllib.request.urlopen(request, timeout=5)
-    assert error.value.code == 405
+    with error.value:
+        assert error.value.code == 405
 
 
 def _get(collector, path: str, token: str | None = TOKEN):
@@ -341,7 +356,8 @@ def _get(collector, path: str, token: str | None = TOKEN):
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, response.read().decode(), response.headers.get("Content-Type")
     except urllib.error.HTTPError as error:
-        return error.code, error.read().decode(), error.headers.get("Content-Type")
+        with error:
+            return error.code, error.read().decode(), error.headers.get("Content-Type")
 
 
 def test_read_api_json_csv_errors_and_mounted_route(collector, client):
