@@ -91,11 +91,14 @@ class WitcertAttnBackend(AttentionBackend):
 
     # --- metadata ----------------------------------------------------------------------------------
 
-    def _paging(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _paging(
+        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lens = seq_lens.to(device=self.device, dtype=torch.int64)
         indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=self.device)
         torch.cumsum(lens, 0, out=indptr[1:])
-        total = int(indptr[-1])
+        # The batch carries the total on the host; reading it off the device would synchronise.
+        total = int(seq_lens_sum) if seq_lens_sum is not None else int(indptr[-1])
         rows = torch.repeat_interleave(req_pool_indices.to(self.device, torch.int64), lens, output_size=total)
         starts = torch.repeat_interleave(indptr[:-1], lens, output_size=total)
         positions = torch.arange(total, device=self.device) - starts
@@ -108,7 +111,9 @@ class WitcertAttnBackend(AttentionBackend):
             return
         if not (mode.is_decode() or mode.is_extend()) or mode.is_target_verify():
             raise RuntimeError(f"the witcert backend does not serve forward mode {mode.name}")
-        kv_indptr, kv_indices = self._paging(forward_batch.req_pool_indices, forward_batch.seq_lens)
+        kv_indptr, kv_indices = self._paging(
+            forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.seq_lens_sum
+        )
         qo_indptr = None
         if mode.is_extend():
             qo_indptr = torch.zeros_like(kv_indptr)
