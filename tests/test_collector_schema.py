@@ -92,11 +92,14 @@ def test_every_table_has_its_ttl(store):
     assert all(" TTL " in text for text in ddl.values())
 
 
-def test_cluster_ddl(capsys):
+def test_cluster_ddl(capsys, store):
     assert witcert_main(["schema", "--cluster", "prod", "--database", "witcert"]) == 0
     ddl = capsys.readouterr().out
     statements = [s.strip() for s in ddl.split(";") if s.strip() and "CREATE" in s]
+    assert len(statements) == 1 + 13 + len(migrations.TABLES)  # database, 8 tables + 5 views, Distributed
     assert all("ON CLUSTER prod" in statement for statement in statements)
+    for statement in statements:  # ClickHouse's own parser accepts each (no cluster here to run them)
+        store.query("EXPLAIN AST " + statement)
     for table in migrations.TABLES:
         assert f"CREATE TABLE IF NOT EXISTS witcert.{table}_local ON CLUSTER prod" in ddl
         assert f"ENGINE = Distributed(prod, witcert, {table}_local, rand())" in ddl
