@@ -379,5 +379,19 @@ def test_gate_mode_repairs_heads_above_tau_from_the_exact_backup(monkeypatch):
     # Repaired until the certificate is below 1e-4: the output is the exact attention, up to fp16 rounding.
     torch.testing.assert_close(out[0].view(HEADS, HEAD_DIM).float(), exact_out, atol=2e-3, rtol=0)
     snapshot = backend.aggregator.snapshot()
-    assert int(snapshot.fallbacks.sum()) >= 1 and int(snapshot.repaired_bytes.sum()) > 0
+    first_bytes = int(snapshot.repaired_bytes.sum())
+    assert int(snapshot.fallbacks.sum()) >= 1 and first_bytes > 0
     assert int(snapshot.covered.sum()) == HEADS
+
+    # The next step of the same sequence reuses what was paged in: only its new token can cost bytes.
+    next_case = DenseAttentionCase(**{**case.__dict__, "prefix_lens": (case.seq_lens[0],)})
+    next_batch = _forward_batch(next_case, runner)
+    q, k, v = _new_tokens(next_case, generator)
+    backend.init_forward_metadata(next_batch)
+    backend.forward(q, k, v, layer, next_batch)
+    second_bytes = int(backend.aggregator.snapshot().repaired_bytes.sum()) - first_bytes
+    assert 0 <= second_bytes <= KV_HEADS * HEAD_DIM * 2 * 2  # one token's K and V rows, fp16, every KV head
+    assert int(pool.repaired[0, slots].sum()) == KV_HEADS * case.seq_lens[0]
+    # SGLang reusing a slot for another token makes it a quantized slot again.
+    pool.set_kv_buffer(layer, slots[:1], *torch.randn(2, 1, KV_HEADS, HEAD_DIM, generator=generator).half())
+    assert not bool(pool.repaired[0, slots[0]].any()) and bool(pool.repaired[0, slots[1]].all())

@@ -3,7 +3,9 @@
 Decode: the new token's K/V are quantized into its slot, then the fused kernel
 (``witcert.kernels.decode_attention``) returns the output and a certificate per (sequence, head).
 In ``gate`` mode every sequence with a head above ``tau`` is recomputed on the repair path
-(``witcert.integrations.gating.certified_decode``), paging exact K/V in from the pool's host backup.
+(``witcert.integrations.gating.certified_decode``), paging exact K/V in from the pool's host backup;
+slots repaired once stay exact for later steps (until SGLang reuses the slot). A sequence whose kernel
+certificate is within tau keeps the kernel's output, which that certificate covers.
 The certificates go to this TP rank's ``CertificateAggregator`` and, when a collector is configured,
 stream out over OTLP with the rank as a resource attribute.
 
@@ -179,8 +181,7 @@ class WitcertAttnBackend(AttentionBackend):
         for row in (~(certificate <= self.policy.tau)).any(-1).nonzero().squeeze(-1).tolist():
             slots = meta.kv_indices[int(meta.kv_indptr[row]) : int(meta.kv_indptr[row + 1])]
             pool = self.pool.witcert
-            exact_mask = torch.zeros(slots.numel(), pool.kv_heads, dtype=torch.bool, device=self.device)
-            exact = torch.zeros(slots.numel(), pool.kv_heads, pool.head_dim, dtype=pool.dtype, device=self.device)
+            exact_mask, exact_k, exact_v = self.pool.repaired_rows(layer.layer_id, slots)
 
             def fetch(positions: torch.Tensor, kv_head: int, slots=slots) -> tuple[torch.Tensor, torch.Tensor]:
                 return self.pool.exact_rows(layer.layer_id, slots[positions], kv_head)
@@ -190,14 +191,16 @@ class WitcertAttnBackend(AttentionBackend):
                 pool.quantized(local, slots, "k"),
                 pool.dequantize(local, slots, "v"),
                 exact_mask,
-                exact,
-                exact.clone(),
+                exact_k,
+                exact_v,
                 sm_scale=layer.scaling,
                 delta=self.delta_step,
                 tau=self.policy.tau,
                 fetch=fetch,
                 block_size=self.policy.repair_block,
             )
+            for kv_head, positions, _, _ in decoded.repaired_positions:
+                self.pool.mark_repaired(layer.layer_id, slots[positions], kv_head)
             out[row] = decoded.out.to(out.dtype)
             certificate[row] = decoded.certificate
             fallback[row] = decoded.fallback

@@ -104,8 +104,14 @@ class WitcertKVPool(MHATokenToKVPool):
             setattr(self, name, None)
         self.dq_k_buffer = self.dq_v_buffer = None
         self.exact: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Gate mode: (layer, slot, KV head) already paged in from the backup; a repair reuses them, so a
+        # request pays for each slot at most once. One byte per head and slot, cleared when the slot is rewritten.
+        self.repaired: torch.Tensor | None = None
         if self.policy.mode is GateMode.GATE:
             self.exact = self._allocate_exact_backup()
+            self.repaired = torch.zeros(
+                self.layer_num, self.num_rows, self.head_num, dtype=torch.bool, device=self.device
+            )
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
@@ -173,6 +179,7 @@ class WitcertKVPool(MHATokenToKVPool):
         # Value checks (finite, slot range) synchronise with the GPU: made on CPU only.
         self.witcert.write(local, loc, k, v, validate=torch.device(self.device).type != "cuda")
         if self.exact is not None:
+            self.repaired[local, loc] = False
             host_loc = loc.to("cpu", torch.int64)
             self.exact[0][local, host_loc] = k.to("cpu")
             self.exact[1][local, host_loc] = v.to("cpu")
@@ -187,6 +194,27 @@ class WitcertKVPool(MHATokenToKVPool):
             self.exact[0][local, host, kv_head].to(self.device),
             self.exact[1][local, host, kv_head].to(self.device),
         )
+
+    def repaired_rows(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For ``slots`` ``[S]``: which (slot, KV head) were repaired ``[S, H_kv]``, and their exact K and V
+        ``[S, H_kv, D]`` on the device (zero elsewhere), paged in from the backup."""
+        if self.exact is None:
+            raise RuntimeError("the exact backup is kept in gate mode only (WITCERT_MODE=gate)")
+        local = layer_id - self.start_layer
+        mask = self.repaired[local, slots]
+        shape = (slots.numel(), self.head_num, self.head_dim)
+        exact_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        exact_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        positions, heads = mask.nonzero(as_tuple=True)
+        if positions.numel():
+            host_slots = slots[positions].to("cpu", torch.int64)
+            host_heads = heads.to("cpu")
+            exact_k[positions, heads] = self.exact[0][local, host_slots, host_heads].to(self.device)
+            exact_v[positions, heads] = self.exact[1][local, host_slots, host_heads].to(self.device)
+        return mask, exact_k, exact_v
+
+    def mark_repaired(self, layer_id: int, slots: torch.Tensor, kv_head: int) -> None:
+        self.repaired[layer_id - self.start_layer, slots, kv_head] = True
 
     # --- operations that would break the slot-keyed dither ----------------------------------------
 
