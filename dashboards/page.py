@@ -75,9 +75,8 @@ def _error(status: int, message: str) -> Response:
 class DashboardPage:
     """Routes of the built-in page, bound to one store."""
 
-    def __init__(self, run_query: QueryRunner, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(self, run_query: QueryRunner) -> None:
         self._store_query = run_query
-        self._now = now
 
     def _run_query(self, sql: str) -> tuple[Sequence[str], Sequence[Sequence[Any]]]:
         # The SQL is ours and its variables are checked, but a read-only page must not be able to
@@ -100,7 +99,7 @@ class DashboardPage:
             return number
 
         end_s, start_s = seconds("to"), seconds("from")
-        end = datetime.fromtimestamp(end_s, UTC) if end_s is not None else self._now()
+        end = datetime.fromtimestamp(end_s, UTC) if end_s is not None else datetime.now(UTC)
         start = datetime.fromtimestamp(start_s, UTC) if start_s is not None else end - DEFAULT_RANGE
         if not start < end:
             raise BadRequest("from must be before to")

@@ -21,9 +21,21 @@ from test_dashboards import INSTANCES, MODEL, NOW, metrics_data
 
 from witcert.collector.config import CollectorConfig
 from witcert.collector.service import Collector
+from witcert.collector.store import Store
 from witcert.dashboards import page, panels
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_a_store_without_the_schema_gets_a_502_not_a_crash(tmp_path: Path):
+    # Runs before the module's collector opens its store: chDB holds one data path per process.
+    store = Store(f"chdb://{tmp_path / 'empty'}", migrate=False)
+    try:
+        response = page.DashboardPage(store.query).handle("/dashboard/api/panels/coverage_now", {})
+    finally:
+        store.close()
+    assert response is not None and response.status == 502
+    assert "witcert_" in json.loads(response.body)["error"]  # names the missing table
 
 
 @pytest.fixture(scope="module")
