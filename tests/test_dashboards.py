@@ -324,3 +324,24 @@ def test_dashboard_validates_against_the_pinned_sdk_models():
         expected_format = QueryFormat.TIME_SERIES if spec.kind == "timeseries" else QueryFormat.TABLE
         assert {t.query_format for t in targets} == {expected_format}
     assert [v.name for v in model.templating.list_val] == ["model", "instance", "tau"]
+
+
+def test_cli_export_writes_the_tree_with_the_thresholds_given(tmp_path: Path, capsys: pytest.CaptureFixture):
+    import argparse
+
+    from witcert.dashboards import cli
+
+    parser = argparse.ArgumentParser(prog="witcert")
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["dashboards", "export", str(tmp_path), "--coverage-target", "0.95", "--silence", "600"])
+    assert args.handler(args) == 0
+    assert len(capsys.readouterr().out.split()) == 4
+    document = yaml.safe_load((tmp_path / "provisioning/alerting/witcert-alerts.yaml").read_text())
+    thresholds = {
+        rule["uid"]: rule["data"][1]["model"]["conditions"][0]["evaluator"]["params"][0]
+        for rule in document["groups"][0]["rules"]
+    }
+    assert thresholds["witcert-coverage-low"] == 0.95 and thresholds["witcert-instance-silent"] == 600
+    args = parser.parse_args(["dashboards", "export", str(tmp_path), "--coverage-target", "1.5"])
+    assert args.handler(args) == 1
+    assert "coverage target" in capsys.readouterr().err

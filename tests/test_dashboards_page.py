@@ -6,9 +6,13 @@ headless Chromium (Debian ``chromium``) loads the page with no console message a
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -147,3 +151,22 @@ def test_a_link_fixes_the_first_view(base_url: str, tmp_path: Path):
     assert inf_stat and inf_stat.group(1) == "400"  # node-b alone: 5 degraded minutes x 8 heads x 10
     assert '<option value="0.01" selected="">0.01</option>' in dom
     assert '<option value="linked" selected="">as linked</option>' in dom
+
+
+def test_dashboards_serve_runs_a_collector_with_the_page(tmp_path: Path):
+    with socket.socket() as probe:  # a free port for the child to bind
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "witcert.cli", "dashboards", "serve", "--store", f"chdb://{tmp_path / 'store'}",
+               "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = child.stdout.readline()
+        assert f"http://127.0.0.1:{port}/dashboard/" in banner, banner + child.stderr.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/dashboard/", timeout=30) as response:
+            assert response.status == 200 and b"uPlot" in response.read()
+        status, layout = get(f"http://127.0.0.1:{port}/dashboard/api/layout")
+        assert status == 200 and {v["name"]: v["options"] for v in layout["variables"]}["model"] == []
+    finally:
+        os.kill(child.pid, signal.SIGTERM)
+        assert child.wait(timeout=60) == 0
