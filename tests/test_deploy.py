@@ -92,4 +92,7 @@ def test_kustomization_resources_and_generated_config_maps_exist():
 
 
 def test_cluster_ddl_is_the_collectors_output():
-    assert (DEPLOY / "clickhouse/cluster.sql").read_text() == cluster_ddl("witcert", "default")
+    assert (DEPLOY / "clickhouse/cluster.sql").read_text() == cluster_ddl("witcert", "default"), (
+        "deploy/clickhouse/cluster.sql is stale: witcert schema --cluster witcert --database default "
+        "> deploy/clickhouse/cluster.sql"
+    )
