@@ -1,6 +1,6 @@
 """Dashboards and alerts, executed: every panel and alert query runs against a chDB store filled
-through the collector's ingest path with OTLP requests encoded by the opentelemetry-sdk's OTLP
-encoder, with the macros expanded as grafana-clickhouse-datasource expands them.
+through a running witcert collector by the opentelemetry-sdk's OTLP/HTTP exporter, with the
+macros expanded as grafana-clickhouse-datasource expands them.
 
 The data set is built so every panel has a known answer: instance node-a is healthy, node-b
 degrades in the last five minutes (coverage, inf and fallback spike), node-c went silent thirty
@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 from grafana_foundation_sdk.models import dashboard as dashboard_models
-from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Gauge,
     Histogram,
     HistogramDataPoint,
     Metric,
+    MetricExportResult,
     MetricsData,
     NumberDataPoint,
     ResourceMetrics,
@@ -33,8 +34,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from witcert import telemetry_schema as ts
-from witcert.collector.config import Limits
-from witcert.collector.otlp import convert_request, decode_request
+from witcert.collector.config import CollectorConfig
+from witcert.collector.service import Collector
 from witcert.collector.store import Store
 from witcert.dashboards import alerts, export, grafana, macros, panels
 from witcert.dashboards.datasource import ClickHouseQuery, QueryFormat
@@ -122,15 +123,19 @@ def metrics_data(instance: str) -> MetricsData:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory):
-    store = Store(f"chdb://{tmp_path_factory.mktemp('dashboards') / 'store'}")
-    for instance in INSTANCES:
-        body = encode_metrics(metrics_data(instance)).SerializeToString()
-        batch = convert_request(decode_request(body, "application/x-protobuf"), Limits())
-        assert batch.rejected_points == 0, batch.error_message
-        for table, columns in batch.columns.items():
-            store.insert_columns(table, columns, token=f"{instance}-{table}")
-    yield store
-    store.close()
+    """A running witcert collector on a chDB store, fed by the SDK's OTLP/HTTP exporter."""
+    root = tmp_path_factory.mktemp("dashboards")
+    config = CollectorConfig(
+        store_url=f"chdb://{root / 'store'}", otlp_http="127.0.0.1:0", otlp_grpc=None, spool_dir=root / "spool"
+    )
+    with Collector(config) as collector:
+        exporter = OTLPMetricExporter(endpoint=f"http://127.0.0.1:{collector.ports.http}/v1/metrics", timeout=30)
+        for instance in INSTANCES:
+            assert exporter.export(metrics_data(instance)) is MetricExportResult.SUCCESS
+        exporter.shutdown()
+        assert collector.wait_stored(60)
+        assert collector.counters.snapshot()["rejected_points"] == 0
+        yield collector.store
 
 
 def run(store: Store, sql: str, variables: dict, span: timedelta, points: int = 1000) -> tuple[list[str], list[tuple]]:
