@@ -116,10 +116,6 @@ class IngestBatch:
         if reason not in self.messages and len(self.messages) < 8:
             self.messages.append(reason)
 
-    def rows(self, table: str) -> int:
-        columns = self.columns.get(table)
-        return len(next(iter(columns.values()))) if columns else 0
-
     @property
     def error_message(self) -> str:
         return "; ".join(self.messages)

@@ -188,13 +188,17 @@ class Collector:
         return None
 
     def readiness(self) -> tuple[bool, dict]:
-        assert self.spool is not None
+        assert self.spool is not None and self.store is not None
         reason = self.refusal_reason()
+        # An idle collector learns of an outage only by asking; a busy one from its inserts.
+        store_ok = self._store_down_since is None and self.store.ping()
+        if reason is None and not store_ok:
+            reason = f"store {self.store.location.describe()} does not answer"
         report = {
             "ready": reason is None,
             "reason": reason,
-            "store": self.store.location.describe() if self.store else None,
-            "store_ok": self._store_down_since is None,
+            "store": self.store.location.describe(),
+            "store_ok": store_ok,
             "spool_bytes": self.spool.uncommitted_bytes,
             "spool_points": self.spool.uncommitted_points,
             "counters": self.counters.snapshot(),

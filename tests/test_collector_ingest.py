@@ -11,6 +11,7 @@ import json
 import math
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -365,12 +366,15 @@ def test_read_api_json_csv_errors_and_mounted_route(collector, client):
     request = samples_request(model, "node-7", layers=2, heads=3, steps=range(4), time_ns=time.time_ns(), inf_every=5)
     assert client.post(request.SerializeToString()).status == 200
     _drain(collector)
-    status, body, content_type = _get(collector, f"/api/v1/samples?model={model}&limit=100&from=-10m")
+    # Steps are stamped 20 ms apart from now: the window must reach past now.
+    until = urllib.parse.quote((datetime.now(UTC) + timedelta(minutes=5)).isoformat())
+    status, body, content_type = _get(collector, f"/api/v1/samples?model={model}&limit=100&from=-10m&to={until}")
     assert status == 200 and content_type == "application/json"
     rows = json.loads(body)["rows"]
     assert len(rows) == 24
     assert sum(1 for row in rows if row["value"] == "inf") == 4
-    status, body, content_type = _get(collector, f"/api/v1/heatmap?model={model}&tau=0.002&format=csv&from=-10m")
+    query = f"model={model}&tau=0.002&format=csv&from=-10m&to={until}"
+    status, body, content_type = _get(collector, f"/api/v1/heatmap?{query}")
     assert status == 200 and content_type.startswith("text/csv")
     lines = body.strip().splitlines()
     assert lines[0].startswith("layer,head,samples,covered,coverage")
@@ -390,12 +394,15 @@ def test_query_cli_through_the_api(collector, client, capsys, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     url = f"http://127.0.0.1:{collector.ports.http}"
-    argv = ["query", "samples", "--url", url, "--token-file", str(token_file), "--model", model, "--format", "csv"]
+    until = (datetime.now(UTC) + timedelta(minutes=5)).isoformat()
+    argv = ["query", "samples", "--url", url, "--token-file", str(token_file), "--model", model, "--to", until]
+    argv += ["--format", "csv"]
     assert witcert_main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "time,model,instance,tp_rank,layer,head,step,value"
     assert len(lines) == 7
     argv = ["query", "worst-heads", "--url", url, "--token-file", str(token_file), "--model", model, "--tau", "0.05"]
+    argv += ["--to", until]
     assert witcert_main([*argv, "--format", "json"]) == 0
     assert [row["head"] for row in json.loads(capsys.readouterr().out)["rows"]] == [0, 1]
     assert witcert_main(argv) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import UTC, datetime, timedelta
 
 from witcert.cli import main as witcert_main
 from witcert.collector.config import CollectorConfig
@@ -20,7 +21,9 @@ def test_query_a_store_directly(tmp_path, capsys):
         assert collector.wait_stored(20)
     assert (tmp_path / "chdb.spool").is_dir()  # the default spool sits next to a chDB store
 
-    argv = ["query", "heatmap", "--store", store_url, "--tau", "0.003", "--from=-10m", "--format", "json"]
+    until = (datetime.now(UTC) + timedelta(minutes=5)).isoformat()  # steps are stamped 20 ms apart from now
+    argv = ["query", "heatmap", "--store", store_url, "--tau", "0.003", "--from=-10m", "--to", until]
+    argv += ["--format", "json"]
     assert witcert_main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     # value = (layer + head + step) % 100 / 1000 over steps 0..2, so covered at 0.003: layer + head + step <= 3.
