@@ -18,6 +18,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import alerting as alerting_models
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 
+from witcert import telemetry_schema as names
+
 from .datasource import DATASOURCE_UID, ClickHouseQuery, ClickHouseQueryBuilder, QueryFormat
 from .grafana import DASHBOARD_UID, FOLDER_TITLE, FOLDER_UID
 
@@ -134,11 +136,14 @@ def alert_specs(
             summary=f"No telemetry for over {silence_s} s from {{{{ $labels.instance }}}} "
             "({{ $labels.model }}), which reported during the last day",
             sql=(
-                # Rollup rows are stamped with their minute's start, hence the extra minute of slack.
-                "SELECT Model AS model, Instance AS instance,\n"
-                "  dateDiff('second', max(Bucket), $__toTime) - 60 AS silent_s\n"
-                "FROM witcert_counts_1m\n"
-                "WHERE $__timeFilter(Bucket)\n"
+                # The exporter sets the export-lag gauge on every batch it builds: its newest point is
+                # the instance's last sign of life. Few rows (one per batch), found by the raw table's
+                # sort key (ServiceName, MetricName, ...), exact timestamps.
+                f"SELECT ResourceAttributes['{names.RESOURCE_MODEL}'] AS model,\n"
+                f"  ResourceAttributes['{names.RESOURCE_INSTANCE}'] AS instance,\n"
+                "  dateDiff('second', max(TimeUnix), $__toTime) AS silent_s\n"
+                "FROM otel_metrics_gauge\n"
+                f"WHERE MetricName = '{names.EXPORT_LAG}' AND $__timeFilter(TimeUnix)\n"
                 "GROUP BY model, instance\n"
                 "ORDER BY model, instance"
             ),
