@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from witcert.collector.config import CollectorConfig
+from witcert.collector.service import Collector
 from witcert.integrations.sglang.checks import ServingFeatures, WitcertStartupError, refusals
 from witcert.integrations.sglang.config import ConfigError, load_settings
 from witcert.kernels import reference, select_path
@@ -237,15 +239,18 @@ def _slot(sequence: int, position: int) -> int:
     return 1 + sequence * MAX_CONTEXT + position
 
 
-def _runner_and_backend(monkeypatch, mode: str, prefix_lens: tuple[int, ...], forward_mode: ForwardMode):
+def _runner_and_backend(
+    monkeypatch, mode: str, prefix_lens: tuple[int, ...], forward_mode: ForwardMode, tp_size: int = 1
+):
+    """A TP worker's view: the model has HEADS / KV_HEADS heads, this rank ``1 / tp_size`` of them."""
     monkeypatch.setenv("WITCERT_MODE", mode)
     monkeypatch.setattr(plugin, "_capacity_accounted", True)
     case = DenseAttentionCase(
         name="witcert",
         backend="witcert",
         forward_mode=forward_mode,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
+        num_heads=HEADS // tp_size,
+        num_kv_heads=KV_HEADS // tp_size,
         page_size=1,
         prefix_lens=prefix_lens,
         extend_lens=(3,) * len(prefix_lens),
@@ -262,16 +267,16 @@ def _runner_and_backend(monkeypatch, mode: str, prefix_lens: tuple[int, ...], fo
         head_dim=HEAD_DIM,
     )
     runner.token_to_kv_pool = _pool_from_configurator(
-        num_rows=runner.token_to_kv_pool.size + 1, layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+        num_rows=runner.token_to_kv_pool.size + 1, layers=1, kv_heads=case.num_kv_heads, head_dim=HEAD_DIM
     )
     backend = ATTENTION_BACKENDS["witcert"](runner)
     layer = RadixAttention(
-        num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, layer_id=0
+        num_heads=case.num_heads, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=case.num_kv_heads, layer_id=0
     )
     generator = torch.Generator().manual_seed(len(prefix_lens) * 7 + len(mode))
     for sequence, length in enumerate(prefix_lens):
         slots = torch.tensor([_slot(sequence, i) for i in range(length)])
-        k, v = torch.randn(2, length, KV_HEADS, HEAD_DIM, generator=generator).half()
+        k, v = torch.randn(2, length, case.num_kv_heads, HEAD_DIM, generator=generator).half()
         runner.token_to_kv_pool.set_kv_buffer(layer, slots, k, v)
     return case, runner, backend, layer, generator
 
@@ -307,8 +312,8 @@ def _forward_batch(case: DenseAttentionCase, runner) -> ForwardBatch:
 
 def _new_tokens(case: DenseAttentionCase, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     rows = case.num_input_tokens
-    q = torch.randn(rows, HEADS * HEAD_DIM, generator=generator).half()
-    k, v = torch.randn(2, rows, KV_HEADS * HEAD_DIM, generator=generator).half()
+    q = torch.randn(rows, case.num_heads * HEAD_DIM, generator=generator).half()
+    k, v = torch.randn(2, rows, case.num_kv_heads * HEAD_DIM, generator=generator).half()
     return q, k, v
 
 
@@ -395,3 +400,42 @@ def test_gate_mode_repairs_heads_above_tau_from_the_exact_backup(monkeypatch):
     # SGLang reusing a slot for another token makes it a quantized slot again.
     pool.set_kv_buffer(layer, slots[:1], *torch.randn(2, 1, KV_HEADS, HEAD_DIM, generator=generator).half())
     assert not bool(pool.repaired[0, slots[0]].any()) and bool(pool.repaired[0, slots[1]].all())
+
+
+@pytest.fixture
+def collector(tmp_path):
+    config = CollectorConfig(
+        store_url=f"chdb://{tmp_path / 'chdb'}",
+        spool_dir=tmp_path / "spool",
+        otlp_http="127.0.0.1:0",
+        otlp_grpc=None,
+        batch_max_wait_s=0.05,
+    )
+    with Collector(config) as service:
+        yield service
+
+
+def test_each_tp_rank_streams_its_own_aggregator_to_the_collector(monkeypatch, collector):
+    monkeypatch.setenv("WITCERT_COLLECTOR_ENDPOINT", f"http://127.0.0.1:{collector.ports.http}/v1/metrics")
+    models = set()
+    for rank in (0, 1):
+        # One backend per TP worker process; here the two "processes" are two parallel-context states.
+        with get_parallel().override(tp_size=2, tp_rank=rank, attn_tp_size=2, moe_tp_size=2):
+            case, runner, backend, layer, generator = _runner_and_backend(
+                monkeypatch, "observe", (3, 4), ForwardMode.DECODE, tp_size=2
+            )
+            batch = _forward_batch(case, runner)
+            backend.init_forward_metadata(batch)
+            backend.forward(*_new_tokens(case, generator), layer, batch)
+            backend.stream.close()
+            assert backend.stream.stats.export_failures == 0 and backend.stream.stats.points_dropped == 0
+            models.add(backend.stream.identity.model)
+    assert collector.wait_stored(30), "the collector did not store everything"
+    (model,) = models
+    _, rows = collector.store.query(
+        "SELECT TpRank, sum(Certificates), uniqExact(Head) FROM witcert_counts_1m "
+        "WHERE Model = {m:String} AND Layer != 65535 GROUP BY TpRank ORDER BY TpRank",
+        {"m": model},
+    )
+    # Two sequences x this rank's heads, per rank; the head attribute is the rank-local index.
+    assert rows == [(0, 2 * HEADS // 2, HEADS // 2), (1, 2 * HEADS // 2, HEADS // 2)]

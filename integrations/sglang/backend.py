@@ -15,6 +15,7 @@ Extend (prefill, chunked prefill, prefix-cache hits): causal attention over the 
 
 from __future__ import annotations
 
+import atexit
 import logging
 from dataclasses import dataclass
 
@@ -83,6 +84,8 @@ class WitcertAttnBackend(AttentionBackend):
                     ),
                     flush_seconds=self.settings.flush_seconds,
                 )
+                # Export what was counted since the last flush when the worker exits normally.
+                atexit.register(self.stream.close)
         logger.info(
             "witcert backend: mode=%s tau=%s, %d B/token (fp16 would be %d B/token)",
             self.policy.mode.value,
