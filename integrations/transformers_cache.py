@@ -8,8 +8,9 @@ Use::
     model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
 Prefill attends on the exact K/V it has just written (no certificate: there is no quantized read).
-Each decode step (one new token) attends over the pool with the real post-RoPE query, so the
-certificate describes exactly the attention the model used; certificates ``[B, H_q]`` per layer go
+Each decode step (one new token) attends over the pool with the real post-RoPE query through the fused
+``witcert.kernels.decode_attention`` (Triton on GPU, its torch reference on CPU), so the certificate
+describes exactly the attention the model used; certificates ``[B, H_q]`` per layer go
 to the observer, and in gate mode every head above tau is repaired from the exact host backup
 (``witcert.integrations.gating``).
 
