@@ -10,8 +10,9 @@ Layout of the spool directory:
   re-inserts exactly that range with the same deduplication token, so the store drops the copy.
 
 The request key (a hash of the decompressed body) identifies client retries: a body seen within
-``dedup_window_s`` is acknowledged again without being spooled twice. Committed segments are kept
-for that window so the keys survive a restart.
+``dedup_window_s`` is acknowledged again without being spooled twice. A segment is deleted once
+all its records are committed; its request keys move to ``keys.log`` (key, time), so retries are
+still recognised after a restart without keeping the rows on disk.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 _MAGIC = b"WSP1"
 _HEADER = struct.Struct("<4sIIQQ16s")
 _SEGMENT_PREFIX = "seg-"
+_KEY_RECORD = struct.Struct("<16sd")
+# keys.log is rewritten with only the keys still inside the window once it grows past this.
+_KEYS_LOG_COMPACT_BYTES = 8 * 1024 * 1024
 _MAX_KEYS = 1_000_000
 
 
@@ -95,7 +99,7 @@ class Spool:
         self,
         directory: Path,
         max_bytes: int,
-        segment_bytes: int = 64 * 1024 * 1024,
+        segment_bytes: int = 32 * 1024 * 1024,
         dedup_window_s: float = 300.0,
     ) -> None:
         self.directory = Path(directory)
@@ -107,8 +111,9 @@ class Spool:
         self._uncommitted: list[_Entry] = []
         self._uncommitted_bytes = 0
         self._recent_keys: OrderedDict[bytes, float] = OrderedDict()
-        # segment -> (highest seq in it, time of its last write)
-        self._segments: dict[Path, tuple[int, float]] = {}
+        # segment -> highest seq in it, and the request keys (with arrival time) of its records
+        self._segments: dict[Path, int] = {}
+        self._segment_keys: dict[Path, list[tuple[bytes, float]]] = {}
         self._active: Path | None = None
         self._active_file = None
         self._next_seq = 1
@@ -131,10 +136,32 @@ class Spool:
         if pending_text:
             first, last = (int(part) for part in pending_text.split("-"))
             self.pending = (first, last)
+        self._load_keys()
         segments = sorted(self.directory.glob(f"{_SEGMENT_PREFIX}*.log"), key=lambda p: int(p.stem[4:]))
         for index, segment in enumerate(segments):
             self._scan(segment, is_last=index == len(segments) - 1)
-        self._next_seq = max([self.committed + 1] + [seq + 1 for seq, _ in self._segments.values()])
+        self._next_seq = max([self.committed + 1] + [seq + 1 for seq in self._segments.values()])
+
+    def _load_keys(self) -> None:
+        path = self.directory / "keys.log"
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        now = time.time()
+        usable = len(data) - len(data) % _KEY_RECORD.size  # a torn last record is ignored
+        for key, seen in _KEY_RECORD.iter_unpack(data[:usable]):
+            if now - seen <= self.dedup_window_s:
+                self._recent_keys[key] = seen
+        self._rewrite_keys_log()
+
+    def _rewrite_keys_log(self) -> None:
+        tmp = self.directory / "keys.tmp"
+        with open(tmp, "wb") as handle:
+            handle.write(b"".join(_KEY_RECORD.pack(key, seen) for key, seen in self._recent_keys.items()))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.directory / "keys.log")
+        _fsync_dir(self.directory)
 
     def _read_marker(self, name: str) -> str | None:
         path = self.directory / name
@@ -143,6 +170,7 @@ class Spool:
     def _scan(self, segment: Path, is_last: bool) -> None:
         mtime = segment.stat().st_mtime
         highest = 0
+        keys = self._segment_keys.setdefault(segment, [])
         good_end = 0
         with open(segment, "rb") as handle:
             data = handle.read()
@@ -157,6 +185,7 @@ class Spool:
                 break
             highest = seq
             self._recent_keys[key] = mtime
+            keys.append((key, mtime))
             if seq > self.committed:
                 self._uncommitted.append(_Entry(seq, segment, offset + _HEADER.size, length, points))
                 self._uncommitted_bytes += length
@@ -173,8 +202,9 @@ class Spool:
                     "spool %s: corrupt record at byte %d; the rest of this segment is unreadable", segment, good_end
                 )
         if highest:
-            self._segments[segment] = (highest, mtime)
+            self._segments[segment] = highest
         else:
+            del self._segment_keys[segment]
             segment.unlink()
 
     # --- writing ----------------------------------------------------------------------------
@@ -202,7 +232,8 @@ class Spool:
             os.fdatasync(handle.fileno())
             self._next_seq = seq + 1
             assert self._active is not None
-            self._segments[self._active] = (seq, time.time())
+            self._segments[self._active] = seq
+            self._segment_keys.setdefault(self._active, []).append((key, time.time()))
             self._uncommitted.append(_Entry(seq, self._active, offset + _HEADER.size, len(payload), points))
             self._uncommitted_bytes += len(payload)
             self._remember(key)
@@ -293,16 +324,26 @@ class Spool:
             kept = [entry for entry in self._uncommitted if entry.seq > batch.last_seq]
             self._uncommitted_bytes -= sum(e.length for e in self._uncommitted if e.seq <= batch.last_seq)
             self._uncommitted = kept
-            self._drop_old_segments()
+            self._drop_committed_segments()
 
-    def _drop_old_segments(self) -> None:
-        now = time.time()
-        for segment, (highest, written) in list(self._segments.items()):
-            if segment == self._active or highest > self.committed:
-                continue
-            if now - written > self.dedup_window_s:
-                segment.unlink(missing_ok=True)
-                del self._segments[segment]
+    def _drop_committed_segments(self) -> None:
+        """Delete segments whose records are all stored, keeping their request keys in keys.log."""
+        done = [s for s, highest in self._segments.items() if s != self._active and highest <= self.committed]
+        if not done:
+            return
+        keys_log = self.directory / "keys.log"
+        if keys_log.exists() and keys_log.stat().st_size > _KEYS_LOG_COMPACT_BYTES:
+            self._rewrite_keys_log()
+        else:
+            with open(keys_log, "ab") as handle:
+                for segment in done:
+                    handle.write(b"".join(_KEY_RECORD.pack(key, seen) for key, seen in self._segment_keys[segment]))
+                handle.flush()
+                os.fsync(handle.fileno())
+        for segment in done:
+            segment.unlink(missing_ok=True)
+            del self._segments[segment]
+            del self._segment_keys[segment]
 
     def close(self) -> None:
         with self._lock:

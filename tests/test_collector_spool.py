@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -68,15 +69,32 @@ def test_crash_between_insert_and_commit_replays_the_same_batch(tmp_path):
     spool.close()
 
 
-def test_retry_of_a_spooled_body_is_recognised_after_restart(tmp_path):
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+def test_stored_segments_are_deleted_and_retries_still_recognised_after_restart(tmp_path):
+    # Tiny segments: every record starts a new one, so committed ones can be deleted at once.
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=16)
     key = request_key(b"body")
     assert spool.append(key, _columns(1), points=3) == 1
+    assert spool.append(request_key(b"other"), _columns(2), points=3) == 2
     spool.commit(spool.next_batch(max_points=100, max_wait_s=0, stop=NO_STOP))
+    assert [p.name for p in tmp_path.glob("seg-*.log")] == [f"seg-{2:020d}.log"]  # only the active one
     spool.close()
-    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=16)
     assert spool.is_duplicate(key)
     assert spool.append(key, _columns(1), points=3) is None
+    assert spool.next_batch(max_points=100, max_wait_s=0, stop=NO_STOP) is None
+    spool.close()
+
+
+def test_keys_outside_the_window_are_forgotten(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=16, dedup_window_s=0.2)
+    key = request_key(b"body")
+    spool.append(key, _columns(1), points=3)
+    spool.append(request_key(b"next"), _columns(2), points=3)
+    spool.commit(spool.next_batch(max_points=100, max_wait_s=0, stop=NO_STOP))
+    spool.close()
+    time.sleep(0.3)
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=16, dedup_window_s=0.2)
+    assert not spool.is_duplicate(key)
     spool.close()
 
 
