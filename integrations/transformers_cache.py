@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import logging
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +37,7 @@ from witcert.integrations.gating import CachePolicy, GateMode, SequenceDecode, c
 from witcert.kernels import KVPool, decode_attention, reference
 
 ATTENTION_NAME = "witcert"
+_log = logging.getLogger("witcert.integrations")
 
 
 class CertificateObserver(Protocol):
@@ -339,6 +341,11 @@ class WitcertCache(Cache):
             repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
             over_rows = (~(certificate <= self.policy.tau)).any(-1).nonzero().squeeze(-1).tolist()
             self._repair_path_rows[layer] = set(over_rows)
+            if over_rows and bool(certificate[over_rows].isnan().any()):
+                # The repair path recomputes these rows in torch, so the aggregator never sees this NaN.
+                _log.error(
+                    "decode kernel returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows
+                )
             for b in over_rows:
                 row = self._repair_row(layer, b, length, q[b], sm_scale)
                 out[b], certificate[b], fallback[b], repaired[b] = (
