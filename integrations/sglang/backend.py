@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -27,9 +28,15 @@ from sglang.srt.runtime_context import get_parallel
 from witcert.integrations.aggregator import CertificateAggregator
 from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
 from witcert.integrations.gating import GateMode, certified_decode
+from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
 from witcert.integrations.sglang.pool import WitcertKVPool
 from witcert.kernels import decode_attention, extend_attention
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger("witcert.sglang")
 
@@ -46,7 +53,7 @@ class WitcertForwardMetadata:
 class WitcertAttnBackend(AttentionBackend):
     """SGLang attention backend over a ``WitcertKVPool``; one aggregator (and OTLP stream) per TP rank."""
 
-    def __init__(self, model_runner) -> None:
+    def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__()
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, WitcertKVPool):
@@ -91,7 +98,7 @@ class WitcertAttnBackend(AttentionBackend):
             self.policy.mode.value,
             self.policy.tau,
             pool.bytes_per_token,
-            pool.layer_num * 2 * pool.head_num * pool.head_dim * 2,
+            fp16_cell_size_bytes(num_layers=pool.layer_num, num_kv_heads=pool.head_num, head_dim=pool.head_dim),
         )
 
     # --- metadata ----------------------------------------------------------------------------------
@@ -109,7 +116,7 @@ class WitcertAttnBackend(AttentionBackend):
         positions = torch.arange(total, device=self.device) - starts
         return indptr, self.req_to_token[rows, positions].to(torch.int64)
 
-    def init_forward_metadata(self, forward_batch) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -135,7 +142,7 @@ class WitcertAttnBackend(AttentionBackend):
 
     # --- forward -----------------------------------------------------------------------------------
 
-    def _check_layer(self, layer) -> None:
+    def _check_layer(self, layer: RadixAttention) -> None:
         if layer.is_cross_attention or layer.qk_head_dim != layer.v_head_dim:
             raise RuntimeError(f"layer {layer.layer_id}: witcert serves self-attention with equal K/V head dims")
         if layer.logit_cap and layer.logit_cap > 0:
@@ -143,10 +150,19 @@ class WitcertAttnBackend(AttentionBackend):
         if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
             raise RuntimeError(f"layer {layer.layer_id}: sliding-window attention is not covered by witcert")
 
-    def _write(self, layer, forward_batch, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         self.pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
         self._check_layer(layer)
         if save_kv_cache:
             self._write(layer, forward_batch, k, v)
@@ -173,7 +189,7 @@ class WitcertAttnBackend(AttentionBackend):
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _repair(
-        self, layer, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor
+        self, layer: RadixAttention, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute, in place, every sequence with a head above tau from exact K/V paged in block by block."""
         meta = self.forward_metadata
@@ -210,7 +226,16 @@ class WitcertAttnBackend(AttentionBackend):
             repaired[row] = decoded.repaired_bytes
         return fallback, repaired
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
         self._check_layer(layer)
         if save_kv_cache:
             self._write(layer, forward_batch, k, v)

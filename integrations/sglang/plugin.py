@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from witcert.integrations.sglang.checks import WitcertStartupError, check_server_args
 from witcert.integrations.sglang.config import BACKEND_NAME, load_settings
+
+if TYPE_CHECKING:
+    from witcert.integrations.sglang.backend import WitcertAttnBackend
 
 logger = logging.getLogger("witcert.sglang")
 
@@ -94,7 +97,7 @@ def check_launch(result: Any, server_args: Any) -> None:
         verify_hooks()
 
 
-def create_witcert_backend(model_runner: Any):
+def create_witcert_backend(model_runner: Any) -> WitcertAttnBackend:
     """SGLang's backend factory for ``--attention-backend witcert`` (runs in each TP worker)."""
     verify_hooks()
     check_server_args(model_runner.server_args)

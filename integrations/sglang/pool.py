@@ -15,7 +15,8 @@ import logging
 import psutil
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool, unwrap_write_loc
 
 from witcert.integrations.gating import GateMode
 from witcert.integrations.sglang.capacity import cell_size_bytes, outlier_channels
@@ -153,8 +154,8 @@ class WitcertKVPool(MHATokenToKVPool):
 
     def set_kv_buffer(
         self,
-        layer,
-        loc_info,
+        layer: RadixAttention | None,
+        loc_info: KVWriteLoc | torch.Tensor,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
         k_scale: float | None = None,
@@ -224,8 +225,8 @@ class WitcertKVPool(MHATokenToKVPool):
             "and re-quantizing a decoded value would add an error no certificate covers"
         )
 
-    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None) -> None:
         raise RuntimeError("CPU offload of the witcert pool is not supported (codes without scales are meaningless)")
 
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None) -> None:
         raise RuntimeError("CPU offload of the witcert pool is not supported (codes without scales are meaningless)")
