@@ -51,7 +51,6 @@ class AlertSpec:
     threshold: float
     pending: str  # how long the condition must hold before the rule fires
     severity: Literal["critical", "warning"]
-    no_data_state: Literal["OK", "NoData", "Alerting"] = "OK"
 
 
 def _spike_sql(event: str, floor: float, factor: float) -> str:
@@ -190,7 +189,8 @@ def _rule(spec: AlertSpec, folder_uid: str, datasource_uid: str) -> alerting.Rul
         .queries([source, threshold])
         .condition("B")
         .for_val(spec.pending)
-        .no_data_state(spec.no_data_state)
+        # An empty result is no fault of its own: a silent instance has a rule of its own.
+        .no_data_state("OK")
         .exec_err_state("Error")
         .is_paused(False)
         .labels({"service": "witcert", "severity": spec.severity})

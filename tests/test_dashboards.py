@@ -10,6 +10,7 @@ minutes ago. Layer L holds 10 certificates at <= 1e-3 and L at <= 1.0 per minute
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -184,6 +185,34 @@ def test_every_panel_query_runs_and_returns_its_columns(store: Store, span: time
                 times = [row[0] for row in rows]
                 assert times == sorted(times), f"{spec.key}: Grafana needs time-ordered rows"
                 assert all(isinstance(row[0], datetime) for row in rows)
+
+
+def _granules_read(store: Store, sql: str) -> dict[str, int]:
+    """Granules ClickHouse plans to read per table, from EXPLAIN indexes = 1."""
+    _, plan = store.query("EXPLAIN indexes = 1 " + sql)
+    read: dict[str, int] = {}
+    table = None
+    for (line,) in plan:
+        started = re.search(r"ReadFromMergeTree \(\w+\.(\w+)\)", line)
+        if started:
+            table = started.group(1)
+            read.setdefault(table, 0)
+        counted = re.search(r"Granules: (\d+)", line)
+        if counted and table:
+            read[table] = max(read[table], int(counted.group(1)))
+    return read
+
+
+@pytest.mark.parametrize(("span", "skipped"), [(timedelta(hours=2), "_1h"), (timedelta(days=30), "_1m")])
+def test_each_range_reads_one_rollup_only(store: Store, span: timedelta, skipped: str):
+    """The constant range condition makes ClickHouse skip the other rollup entirely."""
+    for spec in panels.PANELS:
+        for query in spec.queries:
+            time_range = macros.TimeRange.for_width(NOW - span, NOW, 1000)
+            read = _granules_read(store, macros.render_sql(query.sql, time_range, ALL))
+            assert read, spec.key
+            assert all(count == 0 for table, count in read.items() if table.endswith(skipped)), (spec.key, read)
+            assert any(count > 0 for count in read.values()), (spec.key, read)
 
 
 def test_variables_list_what_the_store_holds(store: Store):
