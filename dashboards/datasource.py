@@ -17,8 +17,9 @@ from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.models import dashboard
 
 PLUGIN_ID = "grafana-clickhouse-datasource"
-# Plugin releases whose query JSON and macros the panels are written against (4.x serves Grafana 10+).
-PLUGIN_VERSION = "4.10.1"
+# Written into each query as the plugin itself does; any 4.x keeps the plugin from migrating the
+# query as a v3 one. The macros are expanded as v4.0.3 and later do ($__timeFilter on DateTime).
+PLUGIN_VERSION = "4.3.2"
 DATASOURCE_UID = "witcert-clickhouse"
 DATASOURCE_NAME = "witcert ClickHouse"
 
