@@ -159,7 +159,7 @@ def test_capacity_follows_the_int8_layout_to_the_byte(monkeypatch, outlier_pairs
     # Per layer, per side, per KV head: D int8 codes + D/G fp16 scales + 2m fp16 outlier values.
     per_head = head_dim + 2 * head_dim // group_size + 2 * 2 * outlier_pairs
     with (
-        get_parallel().override(attn_tp_size=1, attn_dcp_size=1),
+        get_parallel().override(attn_dcp_size=1),
         get_context().override_server_args(max_total_tokens=None),
     ):
         fp16 = DefaultPoolConfigurator(_configurator_inputs("triton", layers, kv_heads, head_dim))
@@ -178,31 +178,41 @@ def test_capacity_follows_the_int8_layout_to_the_byte(monkeypatch, outlier_pairs
 
 
 def _pool_from_configurator(*, num_rows: int, layers: int, kv_heads: int, head_dim: int, page_size: int = 1):
-    """The pool class SGLang's configurator resolves, built with the arguments its MHA path passes."""
+    """The pool SGLang's configurator builds: the class its (hooked) resolver returns, constructed by its own
+    ``_build_mha_kv_pool`` with the arguments it passes in production. ``kv_heads``: this rank's."""
+    tp_size = get_parallel().attn_tp_size
     configurator = SimpleNamespace(
         server_args=ServerArgs(model_path="dummy", attention_backend="witcert"),
         use_mla_backend=False,
         is_hybrid_swa=False,
         mambaish_config=None,
+        kv_cache_dtype_str="auto",
+        post_capture_kv_active=False,
+        kv_shard_rank=None,
+        pool_page_size=page_size,
+        kv_cache_dtype=torch.float16,
+        # The whole model's heads: SGLang divides them by the attention TP width in force.
+        model_config=TinyModelConfig(
+            num_heads=4 * kv_heads * tp_size,
+            num_kv_heads=kv_heads * tp_size,
+            head_dim=head_dim,
+            hidden_size=1024,
+            context_len=4096,
+        ),
+        layer_info=SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers),
+        device="cpu",
     )
     pool_class = KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mha", default=MHATokenToKVPool)
     assert pool_class is WitcertKVPool
-    return pool_class(
-        num_rows - page_size,
-        page_size=page_size,
-        dtype=torch.float16,
-        head_num=kv_heads,
-        head_dim=head_dim,
-        v_head_dim=head_dim,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
-        start_layer=0,
-        end_layer=layers - 1,
-        enable_alt_stream=False,
-        enable_kv_cache_copy=False,
-        post_capture_active=False,
-    )
+    with (
+        get_parallel().override(attn_dcp_size=1),
+        get_context().override_server_args(
+            prefill_only_disable_kv_cache=False, enable_memory_saver=False, speculative_algorithm=None
+        ),
+    ):
+        return KVCacheConfigurator._build_mha_kv_pool(
+            configurator, max_total_num_tokens=num_rows - page_size, mha_pool_class=pool_class
+        )
 
 
 def test_pool_hook_refuses_other_pool_kinds_and_an_unaccounted_capacity(monkeypatch):
