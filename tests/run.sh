@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The built-in dashboard page is tested in headless Chromium (Debian's package).
+command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
 # torch 2.13.0 resolves to the CPU build on these machines; naming it first keeps pip from pulling CUDA wheels.
 python -m pip install --quiet torch==2.13.0 -e '.[test]'
 
