@@ -107,6 +107,51 @@ def test_a_supported_launch_passes_and_other_backends_are_left_alone():
     assert not features.witcert_requested and refusals(features) == []
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A local Llama config (no weights): enough for SGLang to resolve its server arguments."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=512,
+        architectures=["LlamaForCausalLM"],
+        torch_dtype="float16",
+    )
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"], None),
+        (["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+          "--enable-hierarchical-cache"], "hierarchical cache"),
+        (["--decode-attention-backend", "flashinfer"], "FlashInfer"),
+        ([], "CUDA graphs"),
+    ],
+)  # fmt: skip
+def test_sglangs_launch_path_runs_the_checks(tiny_model_dir, flags, refusal):
+    """What ``python -m sglang.launch_server`` does before any worker starts: parse, resolve, check."""
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", str(tiny_model_dir), "--attention-backend", "witcert", "--device", "cpu"]
+    server_args = prepare_server_args([*argv, "--skip-tokenizer-init", *flags])
+    server_args.resolve_once()
+    if refusal is None:
+        server_args.check_server_args()
+    else:
+        with pytest.raises(WitcertStartupError, match=refusal):
+            server_args.check_server_args()
+
+
 # --- plugin loading and hooks ----------------------------------------------------------------------------
 
 
