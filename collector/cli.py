@@ -125,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_collector(args: argparse.Namespace) -> int:
     from witcert.collector.service import Collector
-    from witcert.collector.spool import SpoolBusy
+    from witcert.collector.spool import SpoolBusy, SpoolFormatError
     from witcert.collector.store import StoreError
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -146,7 +146,7 @@ def _run_collector(args: argparse.Namespace) -> int:
     collector = Collector(config)
     try:
         ports = collector.start()
-    except (StoreError, SpoolBusy, OSError) as error:
+    except (StoreError, SpoolBusy, SpoolFormatError, OSError) as error:
         print(f"witcert collector: {error}", file=sys.stderr)
         return 1
     stop = threading.Event()

@@ -110,6 +110,7 @@ class Collector:
         self._grpc = None
         self._store_down_since: float | None = None
         self._stopping = False
+        self._drain_error: str | None = None
         self._last_store_error = ""
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -194,6 +195,8 @@ class Collector:
         store_ok = self._store_down_since is None and self.store.ping()
         if reason is None and not store_ok:
             reason = f"store {self.store.location.describe()} does not answer"
+        if reason is None and self._drain_error:
+            reason = self._drain_error
         report = {
             "ready": reason is None,
             "reason": reason,
@@ -245,12 +248,20 @@ class Collector:
         assert self.spool is not None
         backoff = 0.1
         while not self._stop.is_set():
-            batch = self.spool.next_batch(self.config.batch_max_points, self.config.batch_max_wait_s, self._stop)
+            try:
+                batch = self.spool.next_batch(self.config.batch_max_points, self.config.batch_max_wait_s, self._stop)
+            except Exception as error:  # a bug or a damaged disk: keep the service up, say so, retry
+                self._drain_error = f"cannot read the spool: {type(error).__name__}: {error}"
+                log.exception("cannot read the spool")
+                self._stop.wait(5.0)
+                continue
+            self._drain_error = None
             if batch is None:
                 continue
             while not self._stop.is_set():
                 try:
                     stored = self._insert(batch)
+                    self.spool.commit(batch)
                 except Exception as error:  # the store's failures are many kinds; all mean retry later
                     self.counters.add(store_failures=1)
                     self._last_store_error = f"{type(error).__name__}: {str(error)[:300]}"
@@ -260,7 +271,6 @@ class Collector:
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-                self.spool.commit(batch)
                 self.counters.add(stored_points=stored)
                 if self._store_down_since is not None:
                     log.info("store available again")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import marshal
 import os
-import pickle
 import struct
 import threading
 import time
@@ -32,7 +32,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"WSP1"
+# Record format version: WSP2 = marshal payloads. A spool in another format is refused, never cut.
+_MAGIC = b"WSP2"
 _HEADER = struct.Struct("<4sIIQQ16s")
 _SEGMENT_PREFIX = "seg-"
 _KEY_RECORD = struct.Struct("<16sd")
@@ -70,6 +71,10 @@ class SpoolBatch:
 
 class SpoolBusy(RuntimeError):
     """Another collector holds the spool directory."""
+
+
+class SpoolFormatError(RuntimeError):
+    """The spool was written by an incompatible version."""
 
 
 class SpoolFull(RuntimeError):
@@ -117,7 +122,12 @@ class Spool:
         self._active: Path | None = None
         self._active_file = None
         self._next_seq = 1
-        self._open()
+        self._lock_fd: int | None = None
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
 
     # --- opening and recovery -------------------------------------------------------------
     def _open(self) -> None:
@@ -127,6 +137,7 @@ class Spool:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
+            self._lock_fd = None
             raise SpoolBusy(
                 f"the spool {self.directory} is in use by another collector; give each its own --spool"
             ) from None
@@ -177,6 +188,11 @@ class Spool:
         offset = 0
         while offset + _HEADER.size <= len(data):
             magic, length, crc, seq, points, key = _HEADER.unpack_from(data, offset)
+            if magic != _MAGIC and magic.startswith(b"WSP"):
+                raise SpoolFormatError(
+                    f"spool {segment} holds records in format {magic.decode(errors='replace')}, this version "
+                    f"reads {_MAGIC.decode()}: drain it with the witcert version that wrote it, or move it aside"
+                )
             end = offset + _HEADER.size + length
             if magic != _MAGIC or end > len(data):
                 break
@@ -217,7 +233,8 @@ class Spool:
 
     def append(self, key: bytes, columns: dict, points: int) -> int | None:
         """fsync one request's rows; return its seq, or None when the key was already spooled."""
-        payload = pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
+        # marshal, not pickle: reading a spool file must never be able to run code.
+        payload = marshal.dumps(columns)
         with self._lock:
             if key in self._recent_keys:
                 return None
@@ -312,7 +329,7 @@ class Spool:
     def _read(self, entry: _Entry) -> object:
         with open(entry.segment, "rb") as handle:
             handle.seek(entry.offset)
-            return pickle.loads(handle.read(entry.length))
+            return marshal.loads(handle.read(entry.length))
 
     def commit(self, batch: SpoolBatch) -> None:
         """Record that the batch is in the store, then drop segments no longer needed."""

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from witcert.collector.spool import Spool, SpoolBusy, SpoolFull, request_key
+from witcert.collector.spool import Spool, SpoolBusy, SpoolFormatError, SpoolFull, request_key
 
 NO_STOP = threading.Event()
 
@@ -100,9 +100,9 @@ def test_keys_outside_the_window_are_forgotten(tmp_path):
 
 def test_full_spool_refuses_and_one_directory_per_collector(tmp_path):
     spool = Spool(tmp_path, max_bytes=4096)
-    spool.append(request_key(b"1"), {"t": {"a": list(range(1000, 1800))}}, points=800)
+    spool.append(request_key(b"1"), {"t": {"a": list(range(1000, 1600))}}, points=600)
     with pytest.raises(SpoolFull):
-        spool.append(request_key(b"2"), {"t": {"a": list(range(1000, 1800))}}, points=800)
+        spool.append(request_key(b"2"), {"t": {"a": list(range(1000, 1600))}}, points=600)
     with pytest.raises(SpoolBusy, match="in use by another collector"):
         Spool(tmp_path, max_bytes=4096)
     spool.close()
@@ -115,3 +115,18 @@ def test_next_batch_waits_for_company_then_returns_what_it_has(tmp_path):
     batch = spool.next_batch(max_points=10, max_wait_s=0.05, stop=NO_STOP)
     assert batch.payloads == [_columns(1)]
     spool.close()
+
+
+def test_a_spool_of_another_format_is_refused_not_cut(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    spool.append(request_key(b"a"), _columns(1), points=3)
+    spool.close()
+    segment = next(tmp_path.glob("seg-*.log"))
+    data = bytearray(segment.read_bytes())
+    data[:4] = b"WSP1"  # as an older version would have written it
+    segment.write_bytes(bytes(data))
+    with pytest.raises(SpoolFormatError, match="format WSP1"):
+        Spool(tmp_path, max_bytes=1 << 20)
+    assert segment.read_bytes() == bytes(data)  # acknowledged data is never cut
+    with pytest.raises(SpoolFormatError):  # not SpoolBusy: the failed open released its lock
+        Spool(tmp_path, max_bytes=1 << 20)
