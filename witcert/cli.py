@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES: dict[str, str] = {
     "witcert.dashboards.cli": "dashboards: export Grafana provisioning files or push them to a Grafana",
     "witcert.collector.cli": "collector, query, schema: receive OTLP, store in ClickHouse/chDB, read history",
     "witcert.demo": "demo: the whole path in one command (generation -> OTLP -> chDB -> summary, dashboard)",
+    "witcert.integrations.sglang.cli": "sglang-config: validate the WITCERT_* settings of an SGLang launch",
 }
 
 
