@@ -65,7 +65,10 @@ def start_grpc_server(collector: Collector, address: str) -> tuple[grpc.Server, 
     )
     handler = grpc.unary_unary_rpc_method_handler(_export_handler(collector))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"Export": handler}),))
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    except RuntimeError as error:  # grpc reports a busy port this way
+        raise OSError(f"cannot listen for OTLP/gRPC on {address}: {error}") from None
     if bound == 0:
         raise OSError(f"cannot listen for OTLP/gRPC on {address}")
     server.start()

@@ -290,7 +290,10 @@ def _grpc_code(http_status: int) -> int:
 
 def start_http_server(collector: Collector, address: str) -> tuple[_Server, int]:
     host, port = parse_listen_address(address)
-    server = _Server((host, port), collector)
+    try:
+        server = _Server((host, port), collector)
+    except OSError as error:
+        raise OSError(f"cannot listen for OTLP/HTTP on {address}: {error.strerror}") from None
     thread = threading.Thread(target=server.serve_forever, name="witcert-otlp-http", daemon=True)
     thread.start()
     return server, server.server_address[1]

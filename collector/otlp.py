@@ -13,7 +13,7 @@ one by one (OTLP partial success), never the whole request:
 
 Metrics with unknown names are stored raw (and never typed). Certificate samples go straight into
 ``witcert_certificate_samples`` rather than through ``otel_metrics_gauge``: a raw row with its
-Map columns costs about five times the insert time and twice the disk (docs/COLLECTOR.md).
+Map columns costs five to six times the insert time and about twice the disk (docs/COLLECTOR.md).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -35,3 +36,16 @@ def test_query_a_store_directly(tmp_path, capsys):
     assert not (tmp_path / "absent").exists()
     assert witcert_main(["query", "samples", "--store", store_url, "--from", "yesterday"]) == 1
     assert "neither ISO-8601" in capsys.readouterr().err
+
+
+def test_collector_command_reports_a_busy_port_and_releases_the_store(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["collector", "--store", f"chdb://{tmp_path / 'chdb'}", "--otlp-http", f"127.0.0.1:{port}", "--no-grpc"]
+        assert witcert_main(argv) == 1
+    assert f"cannot listen for OTLP/HTTP on 127.0.0.1:{port}" in capsys.readouterr().err
+    # The failed start closed the store and released its lock: another collector can open it.
+    with Collector(CollectorConfig(store_url=f"chdb://{tmp_path / 'chdb'}", otlp_http=None, otlp_grpc=None)):
+        pass
