@@ -61,7 +61,8 @@ def start_grpc_server(collector: Collector, address: str) -> tuple[grpc.Server, 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=collector.config.grpc_workers, thread_name_prefix="witcert-grpc"),
         options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
-        maximum_concurrent_rpcs=collector.config.grpc_workers * 8,
+        # Bounds memory: at most this many messages (each <= max_decompressed_bytes) are held at once.
+        maximum_concurrent_rpcs=collector.config.grpc_workers * 2,
     )
     handler = grpc.unary_unary_rpc_method_handler(_export_handler(collector))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"Export": handler}),))
