@@ -32,7 +32,7 @@ sglang_torchvision_shim.install()
 
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
-from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator  # noqa: E402
+from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator, _PoolSizes  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator  # noqa: E402
@@ -161,24 +161,6 @@ def test_a_hook_that_did_not_apply_is_reported():
 # --- capacity: SGLang's configurator sizes the pool with the int8 byte account ---------------------------
 
 
-def _configurator_inputs(backend: str, num_layers: int, kv_heads: int, head_dim: int) -> SimpleNamespace:
-    """The fields of ``KVCacheConfigurator`` that ``DefaultPoolConfigurator`` reads for a plain MHA model."""
-    model_config = TinyModelConfig(
-        num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=1024, context_len=4096
-    )
-    return SimpleNamespace(
-        server_args=ServerArgs(model_path="dummy", attention_backend=backend),
-        model_config=model_config,
-        kv_cache_dtype=torch.float16,
-        kv_cache_dtype_str="auto",
-        use_mla_backend=False,
-        layer_info=SimpleNamespace(num_effective_layers=num_layers, start_layer=0, end_layer=num_layers),
-        spec_algorithm=SpeculativeAlgorithm.NONE,
-        is_draft_worker=False,
-        pp_size=1,
-    )
-
-
 @pytest.mark.parametrize(("outlier_pairs", "group_size"), [(0, 32), (2, 32), (4, 64)])
 def test_capacity_follows_the_int8_layout_to_the_byte(monkeypatch, outlier_pairs, group_size):
     monkeypatch.setenv("WITCERT_OUTLIER_PAIRS", str(outlier_pairs))
@@ -190,8 +172,10 @@ def test_capacity_follows_the_int8_layout_to_the_byte(monkeypatch, outlier_pairs
         get_parallel().override(attn_dcp_size=1),
         get_context().override_server_args(max_total_tokens=None),
     ):
-        fp16 = DefaultPoolConfigurator(_configurator_inputs("triton", layers, kv_heads, head_dim))
-        ours = DefaultPoolConfigurator(_configurator_inputs("witcert", layers, kv_heads, head_dim))
+        fp16 = DefaultPoolConfigurator(
+            _configurator(layers=layers, kv_heads=kv_heads, head_dim=head_dim, backend="triton")
+        )
+        ours = DefaultPoolConfigurator(_configurator(layers=layers, kv_heads=kv_heads, head_dim=head_dim))
         assert fp16._cell_size == layers * 2 * kv_heads * head_dim * 2
         assert ours._cell_size == layers * 2 * kv_heads * per_head
         tokens = ours.calculate_pool_sizes(budget, 1).max_total_num_tokens
@@ -205,61 +189,89 @@ def test_capacity_follows_the_int8_layout_to_the_byte(monkeypatch, outlier_pairs
     assert pool.witcert.bytes_per_token == ours._cell_size
 
 
-def _pool_from_configurator(*, num_rows: int, layers: int, kv_heads: int, head_dim: int, page_size: int = 1):
-    """The pool SGLang's configurator builds: the class its (hooked) resolver returns, constructed by its own
-    ``_build_mha_kv_pool`` with the arguments it passes in production. ``kv_heads``: this rank's."""
+def _configurator(*, layers: int, kv_heads: int, head_dim: int, backend: str = "witcert") -> KVCacheConfigurator:
+    """A real ``KVCacheConfigurator`` holding what its pool-building path reads for a plain MHA model (its
+    constructor would profile a GPU). ``kv_heads``: this rank's."""
     tp_size = get_parallel().attn_tp_size
-    configurator = SimpleNamespace(
-        server_args=ServerArgs(model_path="dummy", attention_backend="witcert"),
-        use_mla_backend=False,
-        is_hybrid_swa=False,
-        mambaish_config=None,
-        kv_cache_dtype_str="auto",
-        post_capture_kv_active=False,
-        kv_shard_rank=None,
-        pool_page_size=page_size,
-        kv_cache_dtype=torch.float16,
+    configurator = object.__new__(KVCacheConfigurator)
+    fields = {
+        "server_args": ServerArgs(model_path="dummy", attention_backend=backend),
+        "is_draft_worker": False,
+        "use_mla_backend": False,
+        "is_hybrid_swa": False,
+        "mambaish_config": None,
+        "kv_cache_dtype": torch.float16,
+        "kv_cache_dtype_str": "auto",
+        "post_capture_kv_active": False,
+        "kv_shard_rank": None,
+        "device": "cpu",
+        "page_size": 1,
+        "attn_dp_size": 1,
+        "pp_size": 1,
+        "draft_parallel_layout": None,
+        "spec_algorithm": SpeculativeAlgorithm.NONE,
         # The whole model's heads: SGLang divides them by the attention TP width in force.
-        model_config=TinyModelConfig(
+        "model_config": TinyModelConfig(
             num_heads=4 * kv_heads * tp_size,
             num_kv_heads=kv_heads * tp_size,
             head_dim=head_dim,
             hidden_size=1024,
             context_len=4096,
         ),
-        layer_info=SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers),
-        device="cpu",
+        "layer_info": SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers),
+    }
+    for name, value in fields.items():
+        setattr(configurator, name, value)
+    return configurator
+
+
+def _pool_from_configurator(*, num_rows: int, layers: int, kv_heads: int, head_dim: int):
+    """The pool SGLang's own ``KVCacheConfigurator._build_token_to_kv_pool`` builds for an MHA model: it
+    resolves every pool kind (through the hook) and constructs the MHA one with its production arguments."""
+    configurator = _configurator(layers=layers, kv_heads=kv_heads, head_dim=head_dim)
+    sizes = _PoolSizes(
+        max_total_num_tokens=num_rows - 1,
+        max_running_requests=4,
+        full_max_total_num_tokens=None,
+        swa_max_total_num_tokens=None,
+        c4_max_total_num_tokens=0,
+        c128_max_total_num_tokens=0,
+        c4_state_pool_size=0,
+        c128_state_pool_size=0,
+        c4_state_dtype=None,
+        c128_state_dtype=None,
     )
-    pool_class = KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mha", default=MHATokenToKVPool)
-    assert pool_class is WitcertKVPool
     with (
         get_parallel().override(attn_dcp_size=1),
         get_context().override_server_args(
-            prefill_only_disable_kv_cache=False, enable_memory_saver=False, speculative_algorithm=None
+            attention_backend="witcert",
+            page_size=1,
+            prefill_only_disable_kv_cache=False,
+            enable_memory_saver=False,
+            speculative_algorithm=None,
         ),
     ):
-        return KVCacheConfigurator._build_mha_kv_pool(
-            configurator, max_total_num_tokens=num_rows - page_size, mha_pool_class=pool_class
+        pool = configurator._build_token_to_kv_pool(
+            sizes=sizes, is_dsa_model=False, is_dsv4_model=False, req_to_token_pool=None
         )
+    assert type(pool) is WitcertKVPool
+    return pool
 
 
-def test_pool_hook_refuses_other_pool_kinds_and_an_unaccounted_capacity(monkeypatch):
-    configurator = SimpleNamespace(
-        server_args=ServerArgs(model_path="dummy", attention_backend="witcert"),
-        use_mla_backend=True,
-        is_hybrid_swa=False,
-        mambaish_config=None,
-    )
-    with pytest.raises(WitcertStartupError, match="'mla'"):
-        KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mla", default=MHATokenToKVPool)
+def test_pool_hook_refuses_mla_and_an_unaccounted_capacity(monkeypatch):
+    monkeypatch.setattr(plugin, "_capacity_accounted", True)
+    configurator = _configurator(layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    # Every model resolves the MLA class too; for an MHA model that is SGLang's own, never built.
+    assert configurator._resolve_kv_pool_class(kind="mla", default=MHATokenToKVPool) is MHATokenToKVPool
+    configurator.use_mla_backend = True
+    with pytest.raises(WitcertStartupError, match="MLA"):
+        configurator._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool)
     configurator.use_mla_backend = False
     monkeypatch.setattr(plugin, "_capacity_accounted", False)
     with pytest.raises(WitcertStartupError, match="savings would sit idle"):
-        KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mha", default=MHATokenToKVPool)
-    configurator.server_args = ServerArgs(model_path="dummy", attention_backend="triton")
-    assert KVCacheConfigurator._resolve_kv_pool_class(configurator, kind="mha", default=MHATokenToKVPool) is (
-        MHATokenToKVPool
-    )
+        configurator._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool)
+    other = _configurator(layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM, backend="triton")
+    assert other._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool) is MHATokenToKVPool
 
 
 def test_moving_a_token_between_slots_is_refused(monkeypatch):

@@ -6,8 +6,8 @@ applies the registered hooks. Three hooks, all inert unless ``witcert`` is the r
 - ``DefaultPoolConfigurator._compute_cell_size`` returns the witcert byte account
   (``capacity.cell_size_bytes``), so SGLang's token capacity grows with the savings;
 - ``KVCacheConfigurator._resolve_kv_pool_class`` hands SGLang ``WitcertKVPool`` for MHA, refuses
-  every other pool kind, and refuses to build the pool if the capacity was not computed by the
-  hook above in this process (the bytes saved would sit idle);
+  MLA, hybrid sliding-window and Mamba-style models, and refuses to build the pool if the capacity
+  was not computed by the hook above in this process (the bytes saved would sit idle);
 - ``ServerArgs.check_server_args`` refuses unsupported features in the launching process
   (``checks.py``); the backend factory repeats the checks, and verifies the hooks, in each worker.
 """
@@ -75,10 +75,13 @@ def witcert_pool_class(original: Callable[..., type], self: Any, *, kind: str, d
     """AROUND hook of ``KVCacheConfigurator._resolve_kv_pool_class``: ``WitcertKVPool`` when witcert serves."""
     if not _requested(self.server_args):
         return original(self, kind=kind, default=default)
-    if kind != "mha" or self.use_mla_backend:
-        raise WitcertStartupError(f"witcert provides an MHA/GQA KV pool only; this model needs a {kind!r} pool")
+    if self.use_mla_backend:
+        raise WitcertStartupError("witcert provides an MHA/GQA KV pool; this model needs an MLA pool")
     if self.is_hybrid_swa or getattr(self, "mambaish_config", None) is not None:
         raise WitcertStartupError("witcert does not cover hybrid sliding-window or Mamba-style models")
+    if kind != "mha":
+        # SGLang resolves the MLA and DSA classes for every model; an MHA model (all we serve) never builds them.
+        return original(self, kind=kind, default=default)
     if not _capacity_accounted:
         raise WitcertStartupError(
             "SGLang sized the KV pool without the witcert byte account (the cell-size hook did not run); "
