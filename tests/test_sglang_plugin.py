@@ -204,6 +204,9 @@ def _configurator(*, layers: int, kv_heads: int, head_dim: int, backend: str = "
         "kv_cache_dtype_str": "auto",
         "post_capture_kv_active": False,
         "kv_shard_rank": None,
+        "kv_shard_size": 1,
+        "kv_shard_spec": None,
+        "kv_shard_group": None,
         "device": "cpu",
         "page_size": 1,
         "attn_dp_size": 1,
@@ -256,6 +259,46 @@ def _pool_from_configurator(*, num_rows: int, layers: int, kv_heads: int, head_d
         )
     assert type(pool) is WitcertKVPool
     return pool
+
+
+@pytest.mark.parametrize("backend", ["triton", "witcert"])
+def test_sglangs_pool_setup_sizes_and_builds_the_witcert_pool(monkeypatch, backend):
+    """SGLang's configurator from a byte budget to pools: capacity from the cell size, pool, allocator."""
+    monkeypatch.setattr(plugin, "_capacity_accounted", False)  # the flow itself must set it
+    layers, kv_heads, head_dim, budget = 2, KV_HEADS, HEAD_DIM, 10**6
+    configurator = _configurator(layers=layers, kv_heads=kv_heads, head_dim=head_dim, backend=backend)
+    with (
+        get_parallel().override(attn_dcp_size=1),
+        get_context().override_server_args(
+            attention_backend=backend,
+            page_size=1,
+            prefill_only_disable_kv_cache=False,
+            enable_memory_saver=False,
+            speculative_algorithm=None,
+            max_total_tokens=None,
+            max_running_requests=None,
+        ),
+    ):
+        config = configurator.config_from_budget(budget)
+        config.max_running_requests = configurator.resolve_max_num_reqs(config.max_total_num_tokens)
+        sizes = configurator._derive_pool_sizes(config=config)
+        pools = configurator._init_pools(sizes=sizes, req_to_token_pool=None, token_to_kv_pool_allocator=None)
+    pool = pools.token_to_kv_pool
+    if backend == "triton":
+        assert type(pool) is MHATokenToKVPool and not plugin._capacity_accounted
+        assert config.max_total_num_tokens == budget // (layers * 2 * kv_heads * head_dim * 2)
+        return
+    cell = layers * 2 * kv_heads * (head_dim + 2 * head_dim // 32)
+    assert type(pool) is WitcertKVPool and pool.size == config.max_total_num_tokens == budget // cell
+    assert sum(pool.get_kv_size_bytes()) == pool.num_rows * cell <= budget + cell  # + the padding slot
+    slots = pools.token_to_kv_pool_allocator.alloc(5)
+    layer = RadixAttention(num_heads=HEADS, head_dim=head_dim, scaling=1.0, num_kv_heads=kv_heads, layer_id=1)
+    k, v = torch.randn(2, 5, kv_heads, head_dim).half()
+    pool.set_kv_buffer(layer, slots, k, v)
+    # What was written decodes to within half a quantization step of each channel's group scale.
+    error = (pool.witcert.dequantize(1, slots, "k") - k.float()).abs()
+    steps = pool.witcert.scales[1, 0, slots].float().repeat_interleave(32, -1)
+    assert bool((error <= steps / 2 + 1e-6).all())
 
 
 def test_pool_hook_refuses_mla_and_an_unaccounted_capacity(monkeypatch):
