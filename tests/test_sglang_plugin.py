@@ -35,6 +35,9 @@ from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator, _PoolSizes  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (  # noqa: E402
+    build_attention_backends,
+)
 from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
@@ -362,7 +365,7 @@ def _runner_and_backend(
     runner.token_to_kv_pool = _pool_from_configurator(
         num_rows=runner.token_to_kv_pool.size + 1, layers=1, kv_heads=case.num_kv_heads, head_dim=HEAD_DIM
     )
-    backend = ATTENTION_BACKENDS["witcert"](runner)
+    backend = build_attention_backends(model_runner=runner).attn_backend
     layer = RadixAttention(
         num_heads=case.num_heads, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=case.num_kv_heads, layer_id=0
     )
