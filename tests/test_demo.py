@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 from rich.console import Console
@@ -45,3 +51,23 @@ def test_cli_no_serve_exits_after_the_summary(capsys):
 def test_cli_refuses_bad_options(capsys):
     assert main(["demo", "--no-serve", "--steps", "0"]) == 2
     assert "must be positive" in capsys.readouterr().out
+
+
+def test_serve_mode_serves_the_dashboard_until_terminated():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "COLUMNS": "60"}  # narrow: the URL must still be one line
+    command = [sys.executable, "-m", "witcert.cli", "demo", "--steps", "2", "--prompt-tokens", "8", "--layers", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            url = next((word for word in line.split() if word.startswith("http") and "/dashboard/" in word), None)
+        assert url is not None, "no dashboard URL printed"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200 and b"<html" in response.read().lower()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0

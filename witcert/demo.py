@@ -130,7 +130,7 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
         ports = collector.start()
         host = options.listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
         base_url = f"http://{host}:{ports.http}"
-        console.print(f"collector on {base_url} (OTLP/HTTP), store {store_url}")
+        console.print(f"collector on {base_url} (OTLP/HTTP), store {store_url}", soft_wrap=True)
 
         model = random_model(
             layers=options.layers,
@@ -224,7 +224,8 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
         )
         print_summary(summary, console)
         if serve:
-            console.print(f"\ndashboard: [bold]{dashboard}[/bold]\n(Ctrl-C stops the demo)")
+            # soft_wrap: a URL broken over lines cannot be copied
+            console.print(f"\ndashboard: [bold]{dashboard}[/bold]\n(Ctrl-C stops the demo)", soft_wrap=True)
             _wait_for_interrupt()
         return summary
     finally:
