@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from witcert.integrations.aggregator import CertificateAggregator
 from witcert.integrations.gating import CachePolicy, GateMode
@@ -148,3 +148,24 @@ def test_bad_input_is_refused_with_a_clear_error(model):
         )
     with pytest.raises(ValueError):
         CachePolicy(tau=1.5)
+
+
+def test_qwen2_style_model_is_certified_too():
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(config).eval()  # q/k/v projections with bias, unlike Llama
+    use_witcert_attention(qwen)
+    prompt = _prompt(seed=8)
+    continuation = greedy_continuation(qwen, prompt, 6)
+    report = teacher_forced_quality(qwen, prompt, continuation, CachePolicy(mode=GateMode.OBSERVE))
+    assert report.certificates == 2 * 4 * 6
+    assert report.violations == 0 and report.kl_max < 1e-3
