@@ -41,8 +41,9 @@ def _dither_fields(
     n: tl.constexpr = N
     c0 = tl.broadcast_to(slots.to(tl.uint32)[:, None], (n, NCALLS))
     c1 = tl.broadcast_to((call0 + tl.arange(0, NCALLS)).to(tl.uint32)[None, :], (n, NCALLS))
-    c2 = tl.full((n, NCALLS), 0, tl.uint32) + tl.to_tensor(layer).to(tl.uint32)
-    c3 = tl.full((n, NCALLS), 0, tl.uint32) + tl.to_tensor(head_word).to(tl.uint32)
+    # Broadcast the scalars through int32 zeros (works whether Triton passed them as constexpr or tensor).
+    c2 = (tl.zeros((n, NCALLS), tl.int32) + layer).to(tl.uint32)
+    c3 = (tl.zeros((n, NCALLS), tl.int32) + head_word).to(tl.uint32)
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
     # join(join(w0, w2), join(w1, w3))[..., x, y] = w_{2x + y}: the flattened order is call * 4 + word.
     words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (n, NCALLS * 4))
