@@ -9,6 +9,9 @@ command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninte
 
 # torch 2.13.0 resolves to the CPU build on these machines; naming it first keeps pip from pulling CUDA wheels.
 python -m pip install --quiet torch==2.13.0 -e '.[test]'
+# SGLang without its GPU dependencies: the plugin tests import its real classes on CPU.
+python -m pip install --quiet --no-deps sglang==0.5.23
+python -m pip install --quiet -r integrations/sglang/requirements-test.txt
 
 export PYTHONUNBUFFERED=1
 python -m pytest "$@"
