@@ -26,7 +26,7 @@ import triton.language as tl
 # even, which is exactly torch.round.
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _FP32_INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
+# NaN is written inline as inf - inf: a NaN global never equals itself, which Triton reads as a changed global.
 
 
 @triton.jit
@@ -128,8 +128,8 @@ def _write_kernel(
     stride_xh,
     seed,
     layer,
-    kind_bit,
     NUM_KV_HEADS: tl.constexpr,
+    KIND_BIT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     DITHER_BITS: tl.constexpr,
@@ -176,7 +176,7 @@ def _write_kernel(
             slots,
             0,
             layer,
-            head.to(tl.uint32) | (kind_bit.to(tl.uint32) << 31),
+            head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32),
             BLOCK_T,
             HEAD_DIM // per_call,
             DITHER_BITS,
@@ -440,7 +440,7 @@ def _decode_stage1(
         one_hot = (outlier_channel[:, None] == channels[None, :]) & outlier_ok[:, None]  # [M, D]
         out += tl.sum(tl.where(one_hot[None, :, :], acc_outliers[:, :, None], 0.0), axis=1)
     safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
-    poison = tl.where(slots_ok, 0.0, _NAN)
+    poison = tl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
     part_row = (row * num_q_heads + heads) * NUM_SPLITS + split
     tl.store(
         PartOut + part_row[:, None] * HEAD_DIM + channels[None, :],
@@ -491,15 +491,15 @@ def _decode_stage2(
     has_tokens = total > -_FP32_INF
     safe_total = tl.where(has_tokens, total, 0.0)
     weight = tl.where(lse > -_FP32_INF, tl.exp(lse - safe_total), 0.0)
-    weight = tl.where(lse != lse, _NAN, weight)  # a poisoned split poisons the row
+    weight = tl.where(lse != lse, (_FP32_INF - _FP32_INF), weight)  # a poisoned split poisons the row
     weight_sum = tl.sum(weight, axis=0)
     global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -_FP32_INF)
-    global_lse = tl.where(weight_sum != weight_sum, _NAN, global_lse)
+    global_lse = tl.where(weight_sum != weight_sum, (_FP32_INF - _FP32_INF), global_lse)
     norm = tl.where(has_tokens, weight / weight_sum, 0.0)
     channels = tl.arange(0, HEAD_DIM)
     parts = tl.load(PartOut + part[:, None] * HEAD_DIM + channels[None, :], mask=(norm > 0)[:, None], other=0.0)
     out = tl.sum(tl.where((norm > 0)[:, None], norm[:, None] * parts, 0.0), axis=0)
-    out = out + tl.where(weight_sum == weight_sum, 0.0, _NAN)
+    out = out + tl.where(weight_sum == weight_sum, 0.0, (_FP32_INF - _FP32_INF))
     tl.store(Out + row * stride_ob + head * stride_oh + channels, out.to(Out.dtype.element_ty))
     tl.store(Lse + row * NUM_Q_HEADS + head, global_lse)
     if CERTIFICATE:
@@ -521,7 +521,7 @@ def _decode_stage2(
         p_max = tl.sum(tl.where(is_winner & live, p_arg, 0.0), axis=0)
         u_max = tl.sum(tl.where(is_winner & live, u_parts, 0.0), axis=0)
         nan_in = (tl.sum(tl.where(split_ok & (lse != lse), 1, 0), axis=0) > 0) | (weight_sum != weight_sum)
-        poison = tl.where(nan_in, _NAN, 0.0)
+        poison = tl.where(nan_in, (_FP32_INF - _FP32_INF), 0.0)
 
         e_m = tl.exp(u_max)
         expm1_m, g_m = _expm1_and_g(u_max)
