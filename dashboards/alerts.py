@@ -70,6 +70,22 @@ def _spike_sql(event: str, floor: float, factor: float) -> str:
     )
 
 
+def _spike_spec(uid: str, title: str, summary: str, event: str, floor: float, factor: float) -> AlertSpec:
+    # The query reads the hour before the last 5 minutes too, hence its 65-minute window.
+    return AlertSpec(
+        uid=uid,
+        title=title,
+        summary=summary,
+        sql=_spike_sql(event, floor, factor),
+        value_column="spike_ratio",
+        window_s=3900,
+        evaluator="gt",
+        threshold=1.0,
+        pending="0s",
+        severity="warning",
+    )
+
+
 def alert_specs(
     coverage_target: float = COVERAGE_TARGET,
     inf_fraction_floor: float = INF_FRACTION_FLOOR,
@@ -103,31 +119,23 @@ def alert_specs(
             pending="5m",
             severity="critical",
         ),
-        AlertSpec(
-            uid="witcert-inf-spike",
-            title="witcert infinite-certificate spike",
-            summary="Share of +inf certificates in the last 5 minutes is above "
+        _spike_spec(
+            "witcert-inf-spike",
+            "witcert infinite-certificate spike",
+            "Share of +inf certificates in the last 5 minutes is above "
             f"{inf_fraction_floor:g} and {spike_factor:g}x its previous hour on {{{{ $labels.instance }}}}",
-            sql=_spike_sql("Infinite", inf_fraction_floor, spike_factor),
-            value_column="spike_ratio",
-            window_s=3900,
-            evaluator="gt",
-            threshold=1.0,
-            pending="0s",
-            severity="warning",
+            "Infinite",
+            inf_fraction_floor,
+            spike_factor,
         ),
-        AlertSpec(
-            uid="witcert-fallback-spike",
-            title="witcert fallback-rate spike",
-            summary="Gating fallbacks per certificate in the last 5 minutes are above "
+        _spike_spec(
+            "witcert-fallback-spike",
+            "witcert fallback-rate spike",
+            "Gating fallbacks per certificate in the last 5 minutes are above "
             f"{fallback_rate_floor:g} and {spike_factor:g}x the previous hour on {{{{ $labels.instance }}}}",
-            sql=_spike_sql("Fallbacks", fallback_rate_floor, spike_factor),
-            value_column="spike_ratio",
-            window_s=3900,
-            evaluator="gt",
-            threshold=1.0,
-            pending="0s",
-            severity="warning",
+            "Fallbacks",
+            fallback_rate_floor,
+            spike_factor,
         ),
         AlertSpec(
             uid="witcert-instance-silent",

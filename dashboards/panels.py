@@ -191,6 +191,51 @@ def _matrix_query(select: str, value: str, family: Literal["counts", "buckets"],
     return PanelQuery("A", sql, ("layer", "head", value))
 
 
+def _counts_stat_query(select: str, value: str, columns: str) -> PanelQuery:
+    return PanelQuery("A", f"SELECT {select} AS {value}\nFROM {rollup('counts', columns)}", (value,))
+
+
+def _summary_stat(
+    key: str,
+    title: str,
+    description: str,
+    query: PanelQuery,
+    unit: str,
+    max_value: float | None = None,
+    higher_is_better: bool = False,
+) -> PanelSpec:
+    """A headline number of the Summary row: one value, never negative, in a small tile."""
+    return PanelSpec(
+        key=key,
+        title=title,
+        description=description,
+        kind="stat",
+        queries=(query,),
+        unit=unit,
+        section="Summary",
+        width=6,
+        height=4,
+        min_value=0,
+        max_value=max_value,
+        higher_is_better=higher_is_better,
+    )
+
+
+def _coverage_by(dimension: str, key: Key) -> PanelSpec:
+    return PanelSpec(
+        key=f"coverage_by_{dimension}",
+        title=f"Coverage at tau by {dimension}",
+        description=f"Coverage at tau (as in the summary), one series per {dimension}.",
+        kind="timeseries",
+        queries=(_coverage_query(key),),
+        unit="percentunit",
+        section="Coverage",
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    )
+
+
 VARIABLES: tuple[VariableSpec, ...] = (
     VariableSpec(
         name="model",
@@ -221,79 +266,38 @@ VARIABLES: tuple[VariableSpec, ...] = (
 
 PANELS: tuple[PanelSpec, ...] = (
     # --- headline numbers -----------------------------------------------------------------------
-    PanelSpec(
-        key="coverage_now",
-        title="Coverage at tau",
-        description="Share of certificates <= tau over the range: finite sampled certificates in whole buckets "
+    _summary_stat(
+        "coverage_now",
+        "Coverage at tau",
+        "Share of certificates <= tau over the range: finite sampled certificates in whole buckets "
         "<= tau (a lower bound), times the share of finite certificates (+inf and NaN count as not covered).",
-        kind="stat",
-        queries=(PanelQuery("A", coverage_sql(()), ("coverage_at_tau",)),),
-        unit="percentunit",
-        section="Summary",
-        width=6,
-        height=4,
-        min_value=0,
+        PanelQuery("A", coverage_sql(()), ("coverage_at_tau",)),
+        "percentunit",
         max_value=1,
         higher_is_better=True,
     ),
-    PanelSpec(
-        key="gate_coverage_now",
-        title="Covered at the engine's tau",
-        description="Certificates at or below the tau in force in the engine, over every decode step "
-        "(not only sampled ones).",
-        kind="stat",
-        queries=(
-            PanelQuery(
-                "A",
-                f"SELECT {_ratio('Covered', 'Certificates')} AS covered_fraction\n"
-                f"FROM {rollup('counts', 'Covered, Certificates')}",
-                ("covered_fraction",),
-            ),
-        ),
-        unit="percentunit",
-        section="Summary",
-        width=6,
-        height=4,
-        min_value=0,
+    _summary_stat(
+        "gate_coverage_now",
+        "Covered at the engine's tau",
+        "Certificates at or below the tau in force in the engine, over every decode step (not only sampled ones).",
+        _counts_stat_query(_ratio("Covered", "Certificates"), "covered_fraction", "Covered, Certificates"),
+        "percentunit",
         max_value=1,
         higher_is_better=True,
     ),
-    PanelSpec(
-        key="fallback_now",
-        title="Fallback rate",
-        description="Head-steps repaired from the exact K/V backup, per certificate computed.",
-        kind="stat",
-        queries=(
-            PanelQuery(
-                "A",
-                f"SELECT {_ratio('Fallbacks', 'Certificates')} AS fallback_rate\n"
-                f"FROM {rollup('counts', 'Fallbacks, Certificates')}",
-                ("fallback_rate",),
-            ),
-        ),
-        unit="percentunit",
-        section="Summary",
-        width=6,
-        height=4,
-        min_value=0,
+    _summary_stat(
+        "fallback_now",
+        "Fallback rate",
+        "Head-steps repaired from the exact K/V backup, per certificate computed.",
+        _counts_stat_query(_ratio("Fallbacks", "Certificates"), "fallback_rate", "Fallbacks, Certificates"),
+        "percentunit",
     ),
-    PanelSpec(
-        key="inf_now",
-        title="Infinite certificates",
-        description="Certificates that overflowed to +inf (still valid bounds, never averaged).",
-        kind="stat",
-        queries=(
-            PanelQuery(
-                "A",
-                f"SELECT sum(Infinite) AS inf_certificates\nFROM {rollup('counts', 'Infinite')}",
-                ("inf_certificates",),
-            ),
-        ),
-        unit="short",
-        section="Summary",
-        width=6,
-        height=4,
-        min_value=0,
+    _summary_stat(
+        "inf_now",
+        "Infinite certificates",
+        "Certificates that overflowed to +inf (still valid bounds, never averaged).",
+        _counts_stat_query("sum(Infinite)", "inf_certificates", "Infinite"),
+        "short",
     ),
     # --- coverage ---------------------------------------------------------------------------------
     PanelSpec(
@@ -320,30 +324,8 @@ PANELS: tuple[PanelSpec, ...] = (
         max_value=1,
         higher_is_better=True,
     ),
-    PanelSpec(
-        key="coverage_by_model",
-        title="Coverage at tau by model",
-        description="Coverage at tau (as in the summary), one series per model.",
-        kind="timeseries",
-        queries=(_coverage_query(KEY_MODEL),),
-        unit="percentunit",
-        section="Coverage",
-        min_value=0,
-        max_value=1,
-        higher_is_better=True,
-    ),
-    PanelSpec(
-        key="coverage_by_layer",
-        title="Coverage at tau by layer",
-        description="Coverage at tau (as in the summary), one series per layer.",
-        kind="timeseries",
-        queries=(_coverage_query(KEY_LAYER_LABEL),),
-        unit="percentunit",
-        section="Coverage",
-        min_value=0,
-        max_value=1,
-        higher_is_better=True,
-    ),
+    _coverage_by("model", KEY_MODEL),
+    _coverage_by("layer", KEY_LAYER_LABEL),
     PanelSpec(
         key="coverage_heatmap",
         title="Coverage at tau, layer x head",
