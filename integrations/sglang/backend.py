@@ -150,8 +150,20 @@ class WitcertAttnBackend(AttentionBackend):
         if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
             raise RuntimeError(f"layer {layer.layer_id}: sliding-window attention is not covered by witcert")
 
-    def _write(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale)
+    def _prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        """Checks the layer, writes the new K/V, and returns the query as ``[tokens, H_q, D]`` in the pool's dtype."""
+        self._check_layer(layer)
+        if save_kv_cache:
+            self.pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale)
+        return q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(self.pool.dtype)
 
     def forward_decode(
         self,
@@ -163,12 +175,9 @@ class WitcertAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
-        self._check_layer(layer)
-        if save_kv_cache:
-            self._write(layer, forward_batch, k, v)
+        query = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         meta = self.forward_metadata
         local = layer.layer_id - self.pool.start_layer
-        query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(self.pool.dtype)
         mode = self.policy.mode
         result = decode_attention(
             query,
@@ -236,11 +245,8 @@ class WitcertAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
-        self._check_layer(layer)
-        if save_kv_cache:
-            self._write(layer, forward_batch, k, v)
+        query = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         meta = self.forward_metadata
-        query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(self.pool.dtype)
         result = extend_attention(
             query,
             self.pool.witcert,
