@@ -31,7 +31,8 @@ _MAX_SPLITS = 64
 class LaunchConfig:
     """Tile and launch parameters of the stage-1 kernels (the benchmark sweeps them; docs/KERNELS.md)."""
 
-    block_n: int = 64
+    # Measured on the H200 (bench/results/kernels_h200.json, sweep at B=32, S=16k): 128/4/2 fastest.
+    block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
 
