@@ -2,8 +2,36 @@
 
 import os
 
+import pytest
 import torch
 
 # Without a GPU, Triton kernels run in its interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    # The Triton kernels are checked against the reference by the kernel tests; in the CPU interpreter one
+    # decode step costs about a second, so model-level tests take the reference path, which
+    # select_path chooses when TRITON_INTERPRET is off at call time. Modules opt in with
+    # `pytestmark = pytest.mark.usefixtures("reference_kernels")`.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def collector(tmp_path):
+    """A running collector on a fresh chDB store, OTLP/HTTP on a free port, storing every 50 ms."""
+    # Imported here: most test modules never start a collector.
+    from witcert.collector.config import CollectorConfig
+    from witcert.collector.service import Collector
+
+    config = CollectorConfig(
+        store_url=f"chdb://{tmp_path / 'chdb'}",
+        spool_dir=tmp_path / "spool",
+        otlp_http="127.0.0.1:0",
+        otlp_grpc=None,
+        batch_max_wait_s=0.05,
+    )
+    with Collector(config) as service:
+        yield service

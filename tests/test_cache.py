@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from generation import greedy_generate
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from witcert.integrations.aggregator import CertificateAggregator
@@ -15,12 +16,7 @@ from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, u
 LAYERS, Q_HEADS, KV_HEADS = 2, 4, 2
 
 
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    # The Triton kernels are checked against the reference by the kernel tests; in the CPU interpreter one
-    # decode step costs about a second, so these integration tests take the reference path, which
-    # select_path chooses when TRITON_INTERPRET is off at call time.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # conftest.py: the reference path, not the interpreter
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +43,7 @@ def test_generation_matches_unquantized_cache_within_documented_error(model):
     assert report.certificates == LAYERS * Q_HEADS * 12
 
     cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=64)
-    with torch.no_grad():
-        generated = model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=12,
-            do_sample=False,
-            **{cache_kwarg(model): cache},
-        )
+    generated = greedy_generate(model, prompt, cache, 12)
     assert torch.equal(generated[:, prompt.shape[1] :], continuation)
 
 
@@ -73,16 +62,7 @@ def test_every_layer_head_and_step_is_reported_to_the_aggregator(model):
     batch, steps, stride = 2, 7, 3
     aggregator = CertificateAggregator(LAYERS, Q_HEADS, tau=0.05, stride=stride, device="cpu")
     cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=64, observer=aggregator)
-    prompt = _prompt(batch=batch, seed=3)
-    with torch.no_grad():
-        model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=steps + 1,
-            min_new_tokens=steps + 1,
-            do_sample=False,
-            **{cache_kwarg(model): cache},
-        )
+    greedy_generate(model, _prompt(batch=batch, seed=3), cache, steps + 1, min_new_tokens=steps + 1)
     snapshot = aggregator.snapshot()
     samples = snapshot.samples
     assert snapshot.step == steps
@@ -101,15 +81,7 @@ def test_every_layer_head_and_step_is_reported_to_the_aggregator(model):
 def test_off_mode_reports_nothing_and_keeps_no_backup(model):
     aggregator = CertificateAggregator(LAYERS, Q_HEADS, tau=0.05, stride=1, device="cpu")
     cache = WitcertCache(model.config, CachePolicy(mode=GateMode.OFF), max_cache_len=64, observer=aggregator)
-    prompt = _prompt(seed=4)
-    with torch.no_grad():
-        model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=3,
-            do_sample=False,
-            **{cache_kwarg(model): cache},
-        )
+    greedy_generate(model, _prompt(seed=4), cache, 3)
     assert (aggregator.snapshot().counters()["samples"] == 0).all()
     assert cache.backup is None
     assert cache.bytes_per_token < cache.fp16_bytes_per_token / 1.8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from generation import greedy_generate
 
 from witcert.integrations import CertificateAggregator
 from witcert.integrations.gating import CachePolicy, GateMode
@@ -59,14 +60,7 @@ def test_kernel_decode_matches_the_reference_inside_the_model(model):
 
     cache.decode = checked
     prompt = _prompt(2, 512)
-    with torch.no_grad():
-        model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=5,
-            do_sample=False,
-            **{cache_kwarg(model): cache},
-        )
+    greedy_generate(model, prompt, cache, 5)
     assert worst["out"] < 2e-3
 
 

@@ -16,11 +16,7 @@ from rich.console import Console
 from witcert.cli import main
 from witcert.demo import DemoOptions, run_demo
 
-
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    # As in test_cache.py: the CPU interpreter costs about a second per decode step; take the reference path.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # conftest.py: the reference path, not the interpreter
 
 
 def test_store_counts_equal_engine_counts(tmp_path):

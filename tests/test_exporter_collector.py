@@ -9,27 +9,11 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-import pytest
 from test_aggregator import TAU, oracle, run_stream, synthetic_stream
 
-from witcert.collector.config import CollectorConfig
 from witcert.collector.queries import Window
-from witcert.collector.service import Collector
 from witcert.integrations import CertificateAggregator
 from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
-
-
-@pytest.fixture
-def collector(tmp_path):
-    config = CollectorConfig(
-        store_url=f"chdb://{tmp_path / 'chdb'}",
-        spool_dir=tmp_path / "spool",
-        otlp_http="127.0.0.1:0",
-        otlp_grpc=None,
-        batch_max_wait_s=0.05,
-    )
-    with Collector(config) as service:
-        yield service
 
 
 def test_counts_and_samples_arrive_in_the_store_exactly(collector):

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+from generation import greedy_generate
 
 from witcert.integrations.aggregator import CertificateAggregator
 from witcert.integrations.gating import CachePolicy, GateMode, block_shares, certified_decode
 from witcert.integrations.quality import random_model
-from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
+from witcert.integrations.transformers_cache import WitcertCache, use_witcert_attention
 from witcert.kernels import reference
 
 H_Q, H_KV, D, S, BLOCK = 4, 2, 64, 96, 16
@@ -18,12 +19,7 @@ SM_SCALE = D**-0.5
 DELTA = reference.delta_step(28, H_Q)
 
 
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    # The Triton kernels are checked against the reference by the kernel tests; in the CPU interpreter one
-    # decode step costs about a second, so these integration tests take the reference path, which
-    # select_path chooses when TRITON_INTERPRET is off at call time.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # conftest.py: the reference path, not the interpreter
 
 
 def _head_inputs(seed: int = 0, sharpness: float = 3.0):
@@ -147,15 +143,7 @@ def test_gate_mode_on_a_model_drives_every_certificate_below_tau():
         cache = WitcertCache(
             model.config, CachePolicy(mode=mode, tau=tau), max_cache_len=64, observer=aggregator, audit=audit
         )
-        with torch.no_grad():
-            model.generate(
-                input_ids=prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=steps + 1,
-                min_new_tokens=steps + 1,
-                do_sample=False,
-                **{cache_kwarg(model): cache},
-            )
+        greedy_generate(model, prompt, cache, steps + 1, min_new_tokens=steps + 1)
         counts[mode] = (aggregator.snapshot(), cache, tau)
     gate_snapshot, gate_cache, tau = counts["gate"]
     gated = torch.cat(certificates["gate"])

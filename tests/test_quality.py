@@ -8,11 +8,7 @@ import torch
 from witcert.integrations.gating import CachePolicy, GateMode
 from witcert.integrations.quality import greedy_continuation, random_model, teacher_forced_quality
 
-
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    # As in test_cache.py: the CPU interpreter costs about a second per decode step; take the reference path.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("reference_kernels")  # conftest.py: the reference path, not the interpreter
 
 
 @pytest.fixture(scope="module")

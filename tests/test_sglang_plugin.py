@@ -12,8 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from witcert.collector.config import CollectorConfig
-from witcert.collector.service import Collector
 from witcert.integrations.sglang.checks import ServingFeatures, WitcertStartupError, refusals
 from witcert.kernels import reference, select_path
 
@@ -496,19 +494,6 @@ def test_gate_mode_repairs_heads_above_tau_from_the_exact_backup(monkeypatch):
     # SGLang reusing a slot for another token makes it a quantized slot again.
     pool.set_kv_buffer(layer, slots[:1], *torch.randn(2, 1, KV_HEADS, HEAD_DIM, generator=generator).half())
     assert not bool(pool.repaired[0, slots[0]].any()) and bool(pool.repaired[0, slots[1]].all())
-
-
-@pytest.fixture
-def collector(tmp_path):
-    config = CollectorConfig(
-        store_url=f"chdb://{tmp_path / 'chdb'}",
-        spool_dir=tmp_path / "spool",
-        otlp_http="127.0.0.1:0",
-        otlp_grpc=None,
-        batch_max_wait_s=0.05,
-    )
-    with Collector(config) as service:
-        yield service
 
 
 def test_each_tp_rank_streams_its_own_aggregator_to_the_collector(monkeypatch, collector):
