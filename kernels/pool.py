@@ -130,12 +130,20 @@ class KVPool:
         return slots
 
     def write(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, validate: bool = True
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        validate: bool | None = None,
     ) -> None:
         """Quantize ``k`` and ``v`` ``[N, H_kv, D]`` into ``slots`` ``[N]`` of ``layer``.
 
-        Bit-identical to ``reference.quantize``. ``slots`` must be distinct. ``validate=False`` skips
-        the checks that read tensor values (slot range, finiteness): they synchronise with the device.
+        Bit-identical to ``reference.quantize``. ``slots`` must be distinct. The checks that read tensor
+        values (slot range, finiteness, magnitude) synchronise with the device, so ``validate=None``
+        makes them on CPU only; unvalidated, the kernel skips out-of-range slots (never writes outside
+        the pool), and non-finite input leaves meaningless codes in its own slots only.
         """
         self._check_layer(layer)
         for name, x in (("k", k), ("v", v)):
@@ -147,7 +155,7 @@ class KVPool:
                 raise ValueError(f"{name} is on {x.device}, the pool on {self.device}")
         if k.shape != v.shape:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-        if validate:
+        if validate if validate is not None else self.device.type != "cuda":
             slots = self._check_slots(slots, k.shape[0])
             for name, x in (("k", k), ("v", v)):
                 if not bool(torch.isfinite(x).all()):
@@ -174,6 +182,7 @@ class KVPool:
                 self.outlier_index[layer],
                 self._outlier_channels_i32[layer],
                 x.shape[0],
+                self.num_slots,
                 x.stride(0),
                 x.stride(1),
                 self.seed,

@@ -124,6 +124,7 @@ def _write_kernel(
     OutlierIndex,
     OutlierChannels,
     num_tokens,
+    num_slots,
     stride_xn,
     stride_xh,
     seed,
@@ -146,6 +147,9 @@ def _write_kernel(
     tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     slots = tl.load(Slots + tokens, mask=token_ok, other=0).to(tl.int64)
+    # An out-of-range slot is skipped, never written: unvalidated input cannot corrupt the pool.
+    token_ok = token_ok & (slots >= 0) & (slots < num_slots)
+    slots = tl.where(token_ok, slots, 0)
     channels = tl.arange(0, HEAD_DIM)
     x = tl.load(
         X + tokens[:, None].to(tl.int64) * stride_xn + head * stride_xh + channels[None, :],

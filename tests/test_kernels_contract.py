@@ -233,6 +233,17 @@ def test_bad_inputs_raise_clear_errors():
         pool.write(1, torch.tensor([0, 1]), k[:, :1], k[:, :1])
 
 
+def test_unvalidated_write_skips_out_of_range_slots():
+    pool = KVPool(32, 1, 2, 128, device="cpu")
+    k = torch.randn(3, 2, 128, generator=torch.Generator().manual_seed(4)).half()
+    pool.write(0, torch.tensor([5, 32, -1]), k, k, validate=False)
+    expected = reference.quantize(k[:1], seed=0, layer=0, slots=torch.tensor([5]), kind="k", dither_bits=8)
+    assert torch.equal(pool.codes[0, 0, 5:6], expected.codes)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[5] = False
+    assert not pool.codes[0, :, untouched].any() and not pool.scales[0, :, untouched].any()
+
+
 def test_malformed_rows_without_validation_are_poisoned_not_read():
     pool, indptr, slots = filled_pool([10, 5], kv_heads=2)
     q = _query(2, 14)
