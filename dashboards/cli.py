@@ -95,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from witcert.collector.config import CollectorConfig
+    from witcert.collector.config import CollectorConfig, parse_listen_address
     from witcert.collector.service import Collector
     from witcert.collector.spool import SpoolBusy
     from witcert.collector.store import StoreError
@@ -116,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    host = args.listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+    host, _ = parse_listen_address(args.listen)
     print(f"witcert dashboards: http://{host}:{ports.http}{PREFIX}/ (OTLP/HTTP on the same port)", flush=True)
     stop.wait()
     collector.stop()

@@ -103,7 +103,7 @@ def _store_counts(queries, window) -> tuple[DemoCounts, int]:
 
 def run_demo(options: DemoOptions, console: Console | None = None, serve: bool = False) -> DemoSummary:
     """Run the demo end to end and return its summary; with ``serve``, keep serving until interrupted."""
-    from witcert.collector.config import CollectorConfig
+    from witcert.collector.config import CollectorConfig, parse_listen_address
     from witcert.collector.queries import Window
     from witcert.collector.service import Collector
     from witcert.dashboards.page import PREFIX, routes
@@ -128,7 +128,7 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
     )
     try:
         ports = collector.start()
-        host = options.listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+        host, _ = parse_listen_address(options.listen)
         base_url = f"http://{host}:{ports.http}"
         console.print(f"collector on {base_url} (OTLP/HTTP), store {store_url}", soft_wrap=True)
 
