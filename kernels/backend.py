@@ -33,9 +33,14 @@ def kernels_module() -> ModuleType:
 
 
 def _kernels_are_interpreted() -> bool:
+    """Ours and Triton's own library functions (``tl.max``...) must both be interpreted: the latter
+    are decorated when ``triton`` is first imported, so the variable must precede that import."""
+    import triton.language.standard
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(kernels_module()._write_kernel, InterpretedFunction)
+    return isinstance(triton.language.standard.max, InterpretedFunction) and isinstance(
+        kernels_module()._write_kernel, InterpretedFunction
+    )
 
 
 def select_path(device: torch.device) -> Path:
@@ -49,8 +54,8 @@ def select_path(device: torch.device) -> Path:
     else:
         path = "reference"
         reason = (
-            f"the torch reference on {device.type} (no GPU, and TRITON_INTERPRET=1 was not set before the "
-            "kernels were imported): exact but slow"
+            f"the torch reference on {device.type} (no GPU, and TRITON_INTERPRET=1 was not set before triton "
+            "was first imported): exact but slow"
         )
     if path not in _announced:
         _announced.add(path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -30,22 +32,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _selftest(args: argparse.Namespace) -> int:
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and not args.no_interpret:
-        # Must precede the first import of the Triton kernels (triton.jit reads it at decoration).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not on_gpu and not args.no_interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        # The interpreter must be chosen before triton is first imported, and other commands'
+        # modules may have imported it already: run the check in a fresh interpreter process.
+        command = [sys.executable, "-m", "witcert.kernels.cli", "--seed", str(args.seed)]
+        return subprocess.call(command, env={**os.environ, "TRITON_INTERPRET": "1"})
+    return run_selftest(args.seed)
+
+
+def run_selftest(seed: int) -> int:
+    """Kernels against the reference on this machine; prints the path and errors, returns the exit code."""
     from witcert.kernels import KVPool, decode_attention, reference, select_path
 
+    on_gpu = torch.cuda.is_available()
+
     device = torch.device("cuda" if on_gpu else "cpu")
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(seed)
     kv_heads, group, head_dim, slots_total = 2, 7, 128, 512
     lengths = [1, 70, 200]
-    pool = KVPool(slots_total, 2, kv_heads, head_dim, seed=args.seed, device=device)
+    pool = KVPool(slots_total, 2, kv_heads, head_dim, seed=seed, device=device)
     slots = torch.randperm(slots_total, generator=generator)[: sum(lengths)].to(device)
     k = torch.randn(len(slots), kv_heads, head_dim, generator=generator).half().to(device)
     v = torch.randn(len(slots), kv_heads, head_dim, generator=generator).half().to(device)
     pool.write(1, slots, k, v)
-    expected = reference.quantize(k.cpu(), seed=args.seed, layer=1, slots=slots.cpu(), kind="k", dither_bits=8)
+    expected = reference.quantize(k.cpu(), seed=seed, layer=1, slots=slots.cpu(), kind="k", dither_bits=8)
     code_mismatches = int((pool.codes[1, 0, slots].cpu() != expected.codes).sum())
+    fields = reference.dither_fields(
+        seed=seed, layer=1, slots=slots.cpu(), num_kv_heads=kv_heads, head_dim=head_dim, kind="v", dither_bits=8
+    )
+    dither_mismatches = int((pool.dither_fields(1, slots, "v", 1).long().cpu() != fields[:, 1]).sum())
 
     q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=generator).half().to(device)
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
@@ -64,8 +79,17 @@ def _selftest(args: argparse.Namespace) -> int:
         cert_error = max(cert_error, float(((result.certificate[row].cpu() / oracle.certificate) - 1).abs().max()))
     path = select_path(device)
     print(f"path: {path} ({'GPU ' + torch.cuda.get_device_name() if on_gpu else 'CPU'})")
-    print(f"write: {code_mismatches} code mismatches of {expected.codes.numel()}")
+    print(
+        f"write: {code_mismatches} code mismatches of {expected.codes.numel()}; dither: {dither_mismatches} mismatches"
+    )
     print(f"decode: max relative error out {out_error:.2e} (tolerance 1e-5), certificate {cert_error:.2e} (1e-4)")
-    ok = code_mismatches == 0 and out_error <= 1e-5 and cert_error <= 1e-4
+    ok = code_mismatches == 0 and dither_mismatches == 0 and out_error <= 1e-5 and cert_error <= 1e-4
     print("selftest " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    # Entry point of the fresh process ``witcert selftest`` starts when the interpreter must be chosen.
+    cli = argparse.ArgumentParser(description="witcert kernel selftest")
+    cli.add_argument("--seed", type=int, default=0)
+    sys.exit(run_selftest(cli.parse_args().seed))
