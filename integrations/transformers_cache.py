@@ -10,9 +10,11 @@ Use::
 Prefill attends on the exact K/V it has just written (no certificate: there is no quantized read).
 Each decode step (one new token) attends over the pool with the real post-RoPE query through the fused
 ``witcert.kernels.decode_attention`` (Triton on GPU, its torch reference on CPU), so the certificate
-describes exactly the attention the model used; certificates ``[B, H_q]`` per layer go
-to the observer, and in gate mode every head above tau is repaired from the exact host backup
-(``witcert.integrations.gating``).
+describes exactly the attention the model used. In gate mode every head above tau is repaired from
+the exact host backup (``witcert.integrations.gating``) as soon as its layer has run. Each layer's
+certificates ``[B, H_q]`` (with fallbacks and repaired bytes in gate mode) are copied into a per-step
+buffer ``[L, B, H_q]``, and the observer gets the whole step in one ``observe_layers`` call when the
+last layer has run: one aggregator launch per step instead of one per layer.
 
 How the attention function finds the cache: ``update`` returns the new K/V tensors and remembers
 them; ``witcert_attention`` treats a call whose key tensor *is* the one the active cache just
@@ -43,10 +45,10 @@ _log = logging.getLogger("witcert.integrations")
 class CertificateObserver(Protocol):
     """What the cache reports to (``witcert.integrations.CertificateAggregator`` satisfies it)."""
 
-    def observe(
+    def observe_layers(
         self,
-        layer: int,
-        certificate: torch.Tensor,
+        first_layer: int,
+        certificates: torch.Tensor,
         fallback: torch.Tensor | None = None,
         repaired_bytes: torch.Tensor | None = None,
     ) -> None: ...
@@ -167,6 +169,12 @@ class WitcertCache(Cache):
         self.repaired: list[_RepairedSlots] = []
         self._returned: tuple[int, torch.Tensor] | None = None
         self._repair_path_rows: dict[int, set[int]] = {}
+        # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on);
+        # layers 0 .. _step_layers - 1 of the current decode step are written and not yet reported.
+        self._step_certificates: torch.Tensor | None = None
+        self._step_fallbacks: torch.Tensor | None = None
+        self._step_repaired_bytes: torch.Tensor | None = None
+        self._step_layers = 0
 
     # --- storage ---------------------------------------------------------------------------------
 
@@ -218,6 +226,12 @@ class WitcertCache(Cache):
         self.repaired = [
             _RepairedSlots(num_slots, kv_heads, head_dim, self.device, self.cache_dtype) for _ in range(self.num_layers)
         ]
+        if self.observer is not None and self.policy.mode is not GateMode.OFF:
+            shape = (self.num_layers, batch, self.num_q_heads)
+            self._step_certificates = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            if self.policy.mode is GateMode.GATE:
+                self._step_fallbacks = torch.zeros(shape, dtype=torch.bool, device=self.device)
+                self._step_repaired_bytes = torch.zeros(shape, dtype=torch.int64, device=self.device)
 
     def slots(self, batch_index: int, length: int) -> torch.Tensor:
         """Pool slots of one sequence's first ``length`` positions (sequence ``b`` owns a contiguous range)."""
@@ -359,9 +373,48 @@ class WitcertCache(Cache):
         self.certificate_total += certificate.numel()
         if self.audit is not None:
             self.audit(self, layer, q.float(), certificate, sm_scale)
-        if self.observer is not None:
-            self.observer.observe(layer, certificate, fallback=fallback, repaired_bytes=repaired)
+        if self._step_certificates is not None:
+            self._record(layer, certificate, fallback, repaired)
         return out
+
+    def _record(
+        self, layer: int, certificate: torch.Tensor, fallback: torch.Tensor | None, repaired: torch.Tensor | None
+    ) -> None:
+        """Copy one layer's certificates into the step buffers; report the step once its last layer is in."""
+        if layer != self._step_layers:
+            if layer != 0:
+                raise RuntimeError(
+                    f"layer {layer} decoded after layers 0..{self._step_layers - 1} of this step: WitcertCache "
+                    "reports a step per forward pass and needs its layers in order"
+                )
+            self.flush_certificates()  # the previous step stopped before its last layer (its forward raised)
+        # Device copies: no host sync, no allocation, so a step costs one aggregator launch in all.
+        self._step_certificates[layer].copy_(certificate)
+        if self._step_fallbacks is not None:
+            self._step_fallbacks[layer].copy_(fallback)
+            self._step_repaired_bytes[layer].copy_(repaired)
+        self._step_layers = layer + 1
+        if self._step_layers == self.num_layers:
+            self.flush_certificates()
+
+    def flush_certificates(self) -> None:
+        """Report the layers of the current decode step written so far, in one ``observe_layers`` call.
+
+        A complete step is reported by its last layer, so this only matters for a step whose forward pass
+        raised before its last layer: its first layers are reported (as the per-layer path had counted
+        them) when the next decode step starts, or by this call; nothing is reported twice. A no-op when
+        nothing is pending.
+        """
+        if self._step_layers == 0:
+            return
+        layers = slice(0, self._step_layers)
+        self._step_layers = 0
+        self.observer.observe_layers(
+            0,
+            self._step_certificates[layers],
+            fallback=None if self._step_fallbacks is None else self._step_fallbacks[layers],
+            repaired_bytes=None if self._step_repaired_bytes is None else self._step_repaired_bytes[layers],
+        )
 
     def _repair_row(self, layer: int, b: int, length: int, q: torch.Tensor, sm_scale: float) -> SequenceDecode:
         slots = self.slots(b, length)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from counting_aggregator import CountingAggregator, assert_same_counts
 from generation import greedy_generate
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
@@ -141,3 +142,68 @@ def test_qwen2_style_model_is_certified_too():
     report = teacher_forced_quality(qwen, prompt, continuation, CachePolicy(mode=GateMode.OBSERVE))
     assert report.certificates == 2 * 4 * 6
     assert report.violations == 0 and report.kl_max < 1e-3
+
+
+def test_one_aggregator_launch_per_decode_step_with_the_per_layer_counts(model):
+    batch, steps, stride = 2, 5, 2
+    prompt = _prompt(batch=batch, seed=9)
+    observed: list[torch.Tensor] = []
+    for mode in (GateMode.OBSERVE, GateMode.GATE):
+        # Gate at the median certificate the observe run saw, so that some heads are repaired and some not.
+        tau = float(torch.cat(observed).median()) if mode is GateMode.GATE else 0.05
+        per_layer = CertificateAggregator(LAYERS, Q_HEADS, tau=tau, stride=stride, device="cpu")
+
+        def audit(cache, layer, query, certificate, sm_scale, per_layer=per_layer, mode=mode):
+            # What the cache used to report: one observe call per layer, with the certificate it reports now.
+            per_layer.observe(layer, certificate)
+            if mode is GateMode.OBSERVE:
+                observed.append(certificate.clone())
+
+        aggregator = CountingAggregator(LAYERS, Q_HEADS, tau=tau, stride=stride, device="cpu")
+        cache = WitcertCache(
+            model.config, CachePolicy(mode=mode, tau=tau), max_cache_len=64, observer=aggregator, audit=audit
+        )
+        greedy_generate(model, prompt, cache, steps + 1, min_new_tokens=steps + 1)
+        assert cache.decode_steps == steps
+        assert aggregator.calls == {"observe_layers": steps}  # and no per-layer observe call
+        snapshot = aggregator.snapshot()
+        # The audit sees no fallbacks: those are checked against the cache's own totals.
+        assert_same_counts(snapshot, per_layer.snapshot(), skip=("fallbacks", "repaired_bytes"))
+        assert int(snapshot.samples.sum()) == int(cache.certificate_total) == batch * steps * LAYERS * Q_HEADS
+        assert int(snapshot.fallbacks.sum()) == int(cache.fallback_total)
+        assert int(snapshot.repaired_bytes.sum()) == int(cache.repaired_bytes_total)
+        if mode is GateMode.GATE:
+            assert 0 < int(cache.fallback_total) < batch * steps * LAYERS * Q_HEADS
+
+
+def test_a_step_interrupted_before_its_last_layer_is_reported_once(model):
+    prompt = _prompt(seed=10)
+    tokens = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(11))
+    interrupted_steps = {2, 5}  # the last one is interrupted too: only flush_certificates reports it
+    per_layer = CertificateAggregator(LAYERS, Q_HEADS, tau=0.05, stride=1, device="cpu")
+
+    def audit(cache, layer, query, certificate, sm_scale):
+        if layer == 1 and cache.decode_steps - 1 in interrupted_steps:
+            raise RuntimeError("forward interrupted")
+        per_layer.observe(layer, certificate)
+
+    aggregator = CountingAggregator(LAYERS, Q_HEADS, tau=0.05, stride=1, device="cpu")
+    cache = WitcertCache(
+        model.config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=32, observer=aggregator, audit=audit
+    )
+    with torch.no_grad():
+        model(input_ids=prompt, **{cache_kwarg(model): cache})
+        for step in range(tokens.shape[1]):
+            if step in interrupted_steps:
+                with pytest.raises(RuntimeError, match="interrupted"):
+                    model(input_ids=tokens[:, step : step + 1], **{cache_kwarg(model): cache})
+            else:
+                model(input_ids=tokens[:, step : step + 1], **{cache_kwarg(model): cache})
+    # Step 2's first layer went out when step 3 began; step 5's is still pending.
+    assert aggregator.calls == {"observe_layers": 5}
+    cache.flush_certificates()
+    cache.flush_certificates()  # nothing left: no second report
+    assert aggregator.calls == {"observe_layers": 6}
+    snapshot = aggregator.snapshot()
+    assert_same_counts(snapshot, per_layer.snapshot())
+    assert snapshot.samples[:, 0].tolist() == [6, 6 - len(interrupted_steps)]

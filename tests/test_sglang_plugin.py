@@ -28,6 +28,7 @@ import sglang_torchvision_shim  # noqa: E402
 
 sglang_torchvision_shim.install()
 
+from counting_aggregator import CountingAggregator, assert_same_counts  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator, _PoolSizes  # noqa: E402
@@ -47,6 +48,8 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
     TinyModelConfig,
 )
 
+from witcert.integrations.aggregator import CertificateAggregator  # noqa: E402
+from witcert.integrations.sglang import backend as backend_module  # noqa: E402
 from witcert.integrations.sglang import plugin  # noqa: E402
 from witcert.integrations.sglang.pool import WitcertKVPool  # noqa: E402
 
@@ -334,9 +337,10 @@ def _slot(sequence: int, position: int) -> int:
 
 
 def _runner_and_backend(
-    monkeypatch, mode: str, prefix_lens: tuple[int, ...], forward_mode: ForwardMode, tp_size: int = 1
+    monkeypatch, mode: str, prefix_lens: tuple[int, ...], forward_mode: ForwardMode, tp_size: int = 1, layers: int = 1
 ):
-    """A TP worker's view: the model has HEADS / KV_HEADS heads, this rank ``1 / tp_size`` of them."""
+    """A TP worker's view: the model has HEADS / KV_HEADS heads, this rank ``1 / tp_size`` of them; every
+    layer's pool holds the prefixes. Returns layer 0's ``RadixAttention``."""
     monkeypatch.setenv("WITCERT_MODE", mode)
     monkeypatch.setattr(plugin, "_capacity_accounted", True)
     case = DenseAttentionCase(
@@ -361,18 +365,26 @@ def _runner_and_backend(
         head_dim=HEAD_DIM,
     )
     runner.token_to_kv_pool = _pool_from_configurator(
-        num_rows=runner.token_to_kv_pool.size + 1, layers=1, kv_heads=case.num_kv_heads, head_dim=HEAD_DIM
+        num_rows=runner.token_to_kv_pool.size + 1, layers=layers, kv_heads=case.num_kv_heads, head_dim=HEAD_DIM
     )
     backend = build_attention_backends(model_runner=runner).attn_backend
-    layer = RadixAttention(
-        num_heads=case.num_heads, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=case.num_kv_heads, layer_id=0
-    )
     generator = torch.Generator().manual_seed(len(prefix_lens) * 7 + len(mode))
     for sequence, length in enumerate(prefix_lens):
         slots = torch.tensor([_slot(sequence, i) for i in range(length)])
-        k, v = torch.randn(2, length, case.num_kv_heads, HEAD_DIM, generator=generator).half()
-        runner.token_to_kv_pool.set_kv_buffer(layer, slots, k, v)
-    return case, runner, backend, layer, generator
+        for layer_id in range(layers):
+            k, v = torch.randn(2, length, case.num_kv_heads, HEAD_DIM, generator=generator).half()
+            runner.token_to_kv_pool.set_kv_buffer(_radix_layer(case, layer_id), slots, k, v)
+    return case, runner, backend, _radix_layer(case, 0), generator
+
+
+def _radix_layer(case: DenseAttentionCase, layer_id: int) -> RadixAttention:
+    return RadixAttention(
+        num_heads=case.num_heads,
+        head_dim=HEAD_DIM,
+        scaling=HEAD_DIM**-0.5,
+        num_kv_heads=case.num_kv_heads,
+        layer_id=layer_id,
+    )
 
 
 def _forward_batch(case: DenseAttentionCase, runner) -> ForwardBatch:
@@ -520,3 +532,56 @@ def test_each_tp_rank_streams_its_own_aggregator_to_the_collector(monkeypatch, c
     )
     # Two sequences x this rank's heads, per rank; the head attribute is the rank-local index.
     assert rows == [(0, 2 * HEADS // 2, HEADS // 2), (1, 2 * HEADS // 2, HEADS // 2)]
+
+
+@pytest.mark.parametrize(("mode", "tau"), [("observe", "0.05"), ("gate", "1e-4")])
+def test_one_aggregator_launch_per_decode_step_with_the_per_layer_counts(monkeypatch, mode, tau):
+    monkeypatch.setenv("WITCERT_TAU", tau)
+    monkeypatch.setenv("WITCERT_STRIDE", "2")
+    monkeypatch.setattr(backend_module, "CertificateAggregator", CountingAggregator)  # the backend builds it
+    layers = 2
+    case, runner, backend, _, generator = _runner_and_backend(
+        monkeypatch, mode, (5, 11), ForwardMode.DECODE, layers=layers
+    )
+    radix_layers = [_radix_layer(case, i) for i in range(layers)]
+    aggregator = backend.aggregator
+    per_layer = CertificateAggregator(layers, HEADS, tau=float(tau), stride=2, device="cpu")
+    record = backend._record
+
+    def per_layer_too(local, certificate, fallback, repaired):
+        # What the backend used to report at this point: one observe call per layer, same tensors.
+        per_layer.observe(local, certificate, fallback=fallback, repaired_bytes=repaired)
+        record(local, certificate, fallback, repaired)
+
+    monkeypatch.setattr(backend, "_record", per_layer_too)
+
+    def forward(step_case: DenseAttentionCase, upto: int = layers) -> None:
+        batch = _forward_batch(step_case, runner)
+        backend.init_forward_metadata(batch)
+        q, k, v = _new_tokens(step_case, generator)
+        for layer in radix_layers[:upto]:
+            backend.forward(q, k, v, layer, batch)
+
+    def step(mode: ForwardMode, prefix_lens: tuple[int, ...]) -> DenseAttentionCase:
+        lens = {"forward_mode": mode, "prefix_lens": prefix_lens, "extend_lens": (3,) * len(prefix_lens)}
+        return DenseAttentionCase(**{**case.__dict__, **lens})
+
+    forward(case)  # two sequences
+    forward(step(ForwardMode.DECODE, (6,)))  # the batch shrinks to one
+    assert aggregator.calls == {"observe_layers": 2}
+    forward(step(ForwardMode.EXTEND, (7,)))  # three prompt tokens: no certificate, no report
+    assert aggregator.calls == {"observe_layers": 2}
+    forward(step(ForwardMode.DECODE, (10, 12)), upto=1)  # a forward pass that stopped after its first layer
+    assert aggregator.calls == {"observe_layers": 2}
+    forward(step(ForwardMode.DECODE, (11, 13)))  # reports the interrupted step's layers first, then its own
+    assert aggregator.calls == {"observe_layers": 4}
+    forward(step(ForwardMode.DECODE, (12,)), upto=1)
+    backend.flush_certificates()  # what the worker's exit does before its last export
+    backend.flush_certificates()
+    assert aggregator.calls == {"observe_layers": 5}
+    snapshot = aggregator.snapshot()
+    assert_same_counts(snapshot, per_layer.snapshot())
+    assert snapshot.step == 5
+    assert snapshot.samples[:, 0].tolist() == [2 + 1 + 2 + 2 + 1, 2 + 1 + 2]  # layer 1 ran in the 3 complete steps
+    if mode == "gate":
+        assert int(snapshot.fallbacks.sum()) > 0 and int(snapshot.repaired_bytes.sum()) > 0

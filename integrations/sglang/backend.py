@@ -6,8 +6,10 @@ In ``gate`` mode every sequence with a head above ``tau`` is recomputed on the r
 (``witcert.integrations.gating.certified_decode``), paging exact K/V in from the pool's host backup;
 slots repaired once stay exact for later steps (until SGLang reuses the slot). A sequence whose kernel
 certificate is within tau keeps the kernel's output, which that certificate covers.
-The certificates go to this TP rank's ``CertificateAggregator`` and, when a collector is configured,
-stream out over OTLP with the rank as a resource attribute.
+Each layer's certificates (with fallbacks and repaired bytes in gate mode) are copied into per-step
+buffers ``[L, B_max, H_q]``; when the last layer of the step has written, this TP rank's
+``CertificateAggregator`` counts the whole step in one ``observe_layers`` launch (not one per layer).
+When a collector is configured, the counts stream out over OTLP with the rank as a resource attribute.
 
 Extend (prefill, chunked prefill, prefix-cache hits): causal attention over the int8 pool
 (``witcert.kernels.extend_attention``) without a certificate; only decode steps are certified.
@@ -75,10 +77,23 @@ class WitcertAttnBackend(AttentionBackend):
         self.forward_metadata: WitcertForwardMetadata | None = None
         self.aggregator: CertificateAggregator | None = None
         self.stream: TelemetryStream | None = None
+        # Per-step report buffers [L, B_max, H_q]; layers 0 .. _step_layers - 1 of the current decode step
+        # (its first _step_rows rows) are written and not yet reported.
+        self._step_certificates: torch.Tensor | None = None
+        self._step_fallbacks: torch.Tensor | None = None
+        self._step_repaired_bytes: torch.Tensor | None = None
+        self._step_layers = 0
+        self._step_rows = 0
         if self.policy.mode is not GateMode.OFF:
             self.aggregator = CertificateAggregator(
                 pool.layer_num, self.num_q_heads, tau=self.policy.tau, stride=self.policy.stride, device=self.device
             )
+            # A decode batch holds at most one sequence per request slot (its padding row included).
+            shape = (pool.layer_num, self.req_to_token.shape[0], self.num_q_heads)
+            self._step_certificates = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            if self.policy.mode is GateMode.GATE:
+                self._step_fallbacks = torch.zeros(shape, dtype=torch.bool, device=self.device)
+                self._step_repaired_bytes = torch.zeros(shape, dtype=torch.int64, device=self.device)
             if self.settings.collector_endpoint is not None:
                 server_args = model_runner.server_args
                 self.stream = TelemetryStream(
@@ -92,7 +107,7 @@ class WitcertAttnBackend(AttentionBackend):
                     flush_seconds=self.settings.flush_seconds,
                 )
                 # Export what was counted since the last flush when the worker exits normally.
-                atexit.register(self.stream.close)
+                atexit.register(self._close_stream)
         logger.info(
             "witcert backend: mode=%s tau=%s, %d B/token (fp16 would be %d B/token)",
             self.policy.mode.value,
@@ -194,8 +209,61 @@ class WitcertAttnBackend(AttentionBackend):
         if mode is GateMode.GATE:
             fallback, repaired = self._repair(layer, query, out, certificate)
         if self.aggregator is not None:
-            self.aggregator.observe(local, certificate, fallback=fallback, repaired_bytes=repaired)
+            self._record(local, certificate, fallback, repaired)
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _record(
+        self, local: int, certificate: torch.Tensor, fallback: torch.Tensor | None, repaired: torch.Tensor | None
+    ) -> None:
+        """Copy one layer's certificates into the step buffers; report the step once its last layer is in."""
+        rows = certificate.shape[0]
+        if local != self._step_layers:
+            if local != 0:
+                raise RuntimeError(
+                    f"layer {local} (local) decoded after layers 0..{self._step_layers - 1} of this step: the "
+                    "witcert backend reports a step per forward pass and needs its layers in order"
+                )
+            self.flush_certificates()  # the previous step stopped before its last layer (its forward raised)
+        elif local > 0 and rows != self._step_rows:
+            raise RuntimeError(f"layer {local} decoded {rows} sequences, layer 0 of this step {self._step_rows}")
+        if rows > self._step_certificates.shape[1]:
+            raise RuntimeError(
+                f"a decode batch of {rows} sequences exceeds the {self._step_certificates.shape[1]} request slots "
+                "the certificate buffers were sized for"
+            )
+        # Device copies: no host sync, no allocation, so a step costs one aggregator launch in all.
+        self._step_certificates[local, :rows].copy_(certificate)
+        if self._step_fallbacks is not None:
+            self._step_fallbacks[local, :rows].copy_(fallback)
+            self._step_repaired_bytes[local, :rows].copy_(repaired)
+        self._step_layers, self._step_rows = local + 1, rows
+        if self._step_layers == self.pool.layer_num:
+            self.flush_certificates()
+
+    def flush_certificates(self) -> None:
+        """Report the layers of the current decode step written so far, in one ``observe_layers`` call.
+
+        A complete step is reported by its last layer, so this only matters for a step whose forward pass
+        raised before its last layer: its first layers are reported (as the per-layer path had counted
+        them) when the next decode step starts, or by this call (made at worker exit before the last
+        export); nothing is reported twice. A no-op when nothing is pending.
+        """
+        if self._step_layers == 0:
+            return
+        cells = (slice(0, self._step_layers), slice(0, self._step_rows))
+        self._step_layers = 0
+        self.aggregator.observe_layers(
+            0,
+            self._step_certificates[cells],
+            fallback=None if self._step_fallbacks is None else self._step_fallbacks[cells],
+            repaired_bytes=None if self._step_repaired_bytes is None else self._step_repaired_bytes[cells],
+        )
+
+    def _close_stream(self) -> None:
+        try:
+            self.flush_certificates()
+        finally:
+            self.stream.close()
 
     def _repair(
         self, layer: RadixAttention, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor
