@@ -588,6 +588,33 @@ def decode_attention(
     return DecodeResult(out=out, lse=lse, radius=radius, probs=probs, accumulators=acc)
 
 
+def output_error_bound(result: DecodeResult, v: QuantizedKV, *, delta: float) -> torch.Tensor:
+    """A per-channel bound ``[H_q, D]`` on ``|o - o~|``, the output's distance from exact attention.
+
+    THEORY.md section 5: ``o - o~ = sum_t (p_t - p~_t) v_t - sum_t p~_t eta_t`` with ``eta = v~ - v``.
+    The first sum is at most ``TV * range_t(v_c)``, with TV bounded by the certificate and ``v_c``
+    within ``r = s (1/2 + 2^-16)`` of ``v~_c``. The second is at most ``sum_t p~_t r_t`` always and, for
+    a dithered V (independent of ``p~``, which depends on K's stream only), at most
+    ``c_V sqrt(sum_t p~_t^2 s_t^2 / 12) + beta sum_t p~_t s_t`` with ``c_V = sqrt(2 ln(2 D / delta))``
+    for all ``D`` channels of a head at once with probability ``>= 1 - delta``. The bound then holds
+    whenever the certificate does and that event holds.
+    """
+    dtype = result.probs.dtype
+    kv_head = _kv_head_of_query(result.probs.shape[0], v.num_kv_heads, result.probs.device)
+    v_hat = v.dequantize(dtype)[:, kv_head, :]  # [S, H_q, D]
+    scales = v.channel_scales(dtype)[:, kv_head, :]
+    half_step = scales * (0.5 + 2.0**-16)
+    spread = (v_hat + half_step).amax(0) - (v_hat - half_step).amin(0)  # [H_q, D]
+    attention_shift = _mul_nonneg(result.certificate[:, None], spread)
+    dither_error = torch.einsum("hs,shd->hd", result.probs, half_step)
+    if v.dithered:
+        c_v = math.sqrt(2.0 * math.log(2.0 * v.head_dim / delta))
+        sigma = torch.sqrt(torch.einsum("hs,shd->hd", result.probs.square(), scales.square()) / 12.0)
+        bias = torch.einsum("hs,shd->hd", result.probs, scales) * fp_slack(v.dither_bits)
+        dither_error = torch.minimum(dither_error, c_v * sigma + bias)
+    return (attention_shift + dither_error) * CERTIFICATE_EVAL_SLACK
+
+
 def total_variation(p: torch.Tensor, p_tilde: torch.Tensor) -> torch.Tensor:
     """``TV(p, p~) = 1/2 sum |p - p~|`` over the last dimension."""
     return 0.5 * (p - p_tilde).abs().sum(-1)

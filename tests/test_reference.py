@@ -361,3 +361,30 @@ def test_soundness_monte_carlo_at_realistic_shapes():
     report = run_soundness(draws=100_000, tokens=(512, 1024, 2048, 4096), kv_heads=4, seed=2)
     assert report.draws >= 100_000
     assert report.violations <= report.allowed_violations
+
+
+# --- output error (THEORY.md section 5) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v_dither", [True, False])
+def test_output_error_bound_holds_against_exact_attention(v_dither):
+    generator = torch.Generator().manual_seed(21)
+    delta = 1e-6
+    violations = draws = 0
+    for trial in range(12):
+        keys = torch.randn(512, 2, 128, generator=generator, dtype=torch.float64).to(torch.float16)
+        values = torch.randn(512, 2, 128, generator=generator, dtype=torch.float64).to(torch.float16)
+        slots = torch.randperm(2048, generator=generator)[:512]
+        common = dict(seed=trial, layer=0, slots=slots, dither_bits=8)
+        k = ref.quantize(keys, kind="k", **common)
+        v = ref.quantize(values, kind="v", dither=v_dither, **common)
+        q = 2.0 * torch.randn(14, 128, generator=generator, dtype=torch.float64)
+        result = ref.decode_attention(q, k, v, delta_step=delta)
+        bound = ref.output_error_bound(result, v, delta=delta)
+        exact_k = keys.double().repeat_interleave(7, dim=1)
+        exact_v = values.double().repeat_interleave(7, dim=1)
+        probs = torch.softmax(torch.einsum("hd,shd->hs", q, exact_k) / math.sqrt(128), -1)
+        exact_out = torch.einsum("hs,shd->hd", probs, exact_v)
+        violations += int(((exact_out - result.out).abs() > bound).sum())
+        draws += bound.numel()
+    assert violations == 0, f"{violations} of {draws} channels exceeded their bound"
