@@ -169,6 +169,8 @@ class WitcertCache(Cache):
         self.repaired: list[_RepairedSlots] = []
         self._returned: tuple[int, torch.Tensor] | None = None
         self._repair_path_rows: dict[int, set[int]] = {}
+        # Every layer of a decode step reads the same slots: build the page table once per (batch, length).
+        self._page_table: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on);
         # layers 0 .. _step_layers - 1 of the current decode step are written and not yet reported.
         self._step_certificates: torch.Tensor | None = None
@@ -316,6 +318,17 @@ class WitcertCache(Cache):
     def claims(self, layer: int, key: torch.Tensor) -> bool:
         return self._returned is not None and self._returned[0] == layer and self._returned[1] is key
 
+    def _page_table_for(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_indptr``, ``kv_indices`` of the pool for ``batch`` sequences of ``length`` tokens each."""
+        if self._page_table is None or self._page_table[0] != (batch, length):
+            kv_indices = (
+                torch.arange(batch, device=self.device)[:, None] * self.max_cache_len
+                + torch.arange(length, device=self.device)
+            ).reshape(-1)
+            kv_indptr = torch.arange(batch + 1, device=self.device) * length
+            self._page_table = ((batch, length), kv_indptr, kv_indices)
+        return self._page_table[1], self._page_table[2]
+
     def decode(self, layer: int, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """Attention of one new token per sequence over the pool: ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``.
 
@@ -329,11 +342,7 @@ class WitcertCache(Cache):
         length = self.layers[layer].length
         mode = self.policy.mode
         q = query.to(self.cache_dtype).contiguous()
-        kv_indices = (
-            torch.arange(batch, device=self.device)[:, None] * self.max_cache_len
-            + torch.arange(length, device=self.device)
-        ).reshape(-1)
-        kv_indptr = torch.arange(batch + 1, device=self.device) * length
+        kv_indptr, kv_indices = self._page_table_for(batch, length)
         result = decode_attention(
             q,
             self.pool,
@@ -465,8 +474,11 @@ def witcert_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if attention_mask is not None and not bool(
-        (attention_mask == 0).all() if attention_mask.is_floating_point() else attention_mask.all()
+    # Every layer of a step gets the same padding mask: check it once per step (it syncs with the host).
+    if (
+        layer == 0
+        and attention_mask is not None
+        and not bool((attention_mask == 0).all() if attention_mask.is_floating_point() else attention_mask.all())
     ):
         raise ValueError("WitcertCache needs unpadded batches: the attention mask hides some cached tokens")
     sm_scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
