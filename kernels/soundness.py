@@ -114,3 +114,19 @@ def run_soundness(
         vacuous_fraction=vacuous / done,
         shapes=f"D={head_dim}, S in {tokens}, {group} query heads per KV head, keys {laws}, {dither_bits}-bit dither",
     )
+
+
+def random_bound_cases(count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` small cases ``(probs, radius)`` of 8 tokens for checking the bound family against the
+    exact worst case: temperatures from flat to sharp, a sink token in 30%, uniform and mixed radii."""
+    tokens = 8
+    logits = torch.randn(count, tokens, generator=generator, dtype=torch.float64)
+    logits *= torch.logspace(-1, 1.3, count, dtype=torch.float64)[torch.randperm(count, generator=generator)][:, None]
+    sink = torch.rand(count, generator=generator) < 0.3
+    logits[sink, 0] += 8.0  # a sink token holding most of the attention
+    probs = torch.softmax(logits, -1)
+    magnitude = torch.logspace(-3, 0.5, count, dtype=torch.float64)[torch.randperm(count, generator=generator)]
+    radius = magnitude[:, None] * torch.rand(count, tokens, generator=generator, dtype=torch.float64)
+    uniform = torch.rand(count, generator=generator) < 0.3
+    radius[uniform] = magnitude[uniform, None].expand(-1, tokens)
+    return probs, radius

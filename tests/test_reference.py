@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from witcert.kernels import reference as ref
-from witcert.kernels.soundness import run_soundness
+from witcert.kernels.soundness import random_bound_cases, run_soundness
 
 # --- Philox ------------------------------------------------------------------------------------------
 
@@ -225,22 +225,8 @@ def test_quantize_rejects_bad_input_with_a_clear_message(kwargs, message):
 # --- the bound family ---------------------------------------------------------------------------------
 
 
-def _random_cases(count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = 8
-    logits = torch.randn(count, tokens, generator=generator, dtype=torch.float64)
-    logits *= torch.logspace(-1, 1.3, count, dtype=torch.float64)[torch.randperm(count, generator=generator)][:, None]
-    sink = torch.rand(count, generator=generator) < 0.3
-    logits[sink, 0] += 8.0  # a sink token holding most of the attention
-    probs = torch.softmax(logits, -1)
-    magnitude = torch.logspace(-3, 0.5, count, dtype=torch.float64)[torch.randperm(count, generator=generator)]
-    radius = magnitude[:, None] * torch.rand(count, tokens, generator=generator, dtype=torch.float64)
-    uniform = torch.rand(count, generator=generator) < 0.3
-    radius[uniform] = magnitude[uniform, None].expand(-1, tokens)
-    return probs, radius
-
-
 def test_every_bound_is_at_least_the_exact_worst_case():
-    probs, radius = _random_cases(6000, torch.Generator().manual_seed(7))
+    probs, radius = random_bound_cases(6000, torch.Generator().manual_seed(7))
     worst = ref.worst_case_tv(probs, radius)
     terms = ref.accumulate_certificate(probs, radius).terms
     for name in ("t1", "t4", "p", "pa"):
@@ -254,7 +240,7 @@ def test_every_bound_is_at_least_the_exact_worst_case():
 
 
 def test_each_refinement_beats_t1_somewhere():
-    probs, radius = _random_cases(6000, torch.Generator().manual_seed(8))
+    probs, radius = random_bound_cases(6000, torch.Generator().manual_seed(8))
     terms = ref.accumulate_certificate(probs, radius).terms
     for name in ("t4", "p", "pa"):
         assert bool((getattr(terms, name) < terms.t1).any()), name
