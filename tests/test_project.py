@@ -24,7 +24,7 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
 def test_cli_help_lists_its_subcommands():
     result = subprocess.run([sys.executable, "-m", "witcert.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    from witcert.cli import SUBCOMMAND_MODULES, build_parser
+    from witcert.cli import build_parser
 
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
@@ -35,5 +35,4 @@ def test_cli_help_lists_its_subcommands():
             [sys.executable, "-m", "witcert.cli", name, "--help"], capture_output=True, text=True
         )
         assert help_result.returncode == 0, (name, help_result.stderr)
-        assert sub.description or sub.format_help()
-    assert len(SUBCOMMAND_MODULES) >= 1
+        assert sub.description, f"`witcert {name} --help` has no description"
