@@ -133,6 +133,7 @@ def _run_triton(
     num_kv_splits: int,
     out: torch.Tensor,
     certificate: bool,
+    skip: torch.Tensor | None,
 ) -> AttentionOutput:
     kernels = kernels_module()
     rows, num_q_heads, head_dim = q.shape
@@ -162,6 +163,7 @@ def _run_triton(
         kv_start,
         kv_len,
         kv_indices,
+        kv_indices if skip is None else skip.view(torch.uint8),
         part_out,
         part_lse,
         part_max,
@@ -189,6 +191,7 @@ def _run_triton(
         OUTLIERS_PAD=max(2, _pow2(pool.num_outliers)),
         NUM_OUTLIERS=max(1, pool.num_outliers),
         CERTIFICATE=certificate,
+        HAS_SKIP=skip is not None,
         NUM_SPLITS=num_kv_splits,
         INTERPRETED=device.type != "cuda",
         num_warps=LAUNCH.num_warps,
@@ -232,6 +235,7 @@ def _run_reference(
     delta_step: float,
     out: torch.Tensor,
     certificate: bool,
+    skip: torch.Tensor | None,
 ) -> AttentionOutput:
     rows, num_q_heads, _ = q.shape
     device = q.device
@@ -250,6 +254,7 @@ def _run_reference(
             sm_scale=sm_scale,
             # Without a certificate the radius is unused; any valid delta serves.
             delta_step=delta_step if certificate else 0.5,
+            skip=None if skip is None else skip[slots],
         )
         out[row] = result.out.to(out.dtype)
         lse[row] = result.lse
@@ -273,6 +278,7 @@ def _dispatch(
     num_kv_splits: int | None,
     out: torch.Tensor | None,
     certificate: bool,
+    skip: torch.Tensor | None = None,
 ) -> AttentionOutput:
     rows, num_q_heads, head_dim = q.shape
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
@@ -290,6 +296,7 @@ def _dispatch(
             delta_step=delta_step,
             out=out,
             certificate=certificate,
+            skip=skip,
         )
     splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows, pool.kv_heads, q.device)
     if not 1 <= splits <= _MAX_SPLITS:
@@ -306,6 +313,7 @@ def _dispatch(
         num_kv_splits=splits,
         out=out,
         certificate=certificate,
+        skip=skip,
     )
 
 
@@ -322,6 +330,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     certificate: bool = True,
     validate: bool | None = None,
+    skip: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """One decode step: ``q`` ``[B, H_q, D]`` attends to the slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
 
@@ -330,8 +339,20 @@ def decode_attention(
     splits is fixed by shapes, never by sequence lengths, so a captured graph replays for any lengths.
     An empty sequence yields ``out = 0``, ``lse = -inf`` and certificate 0. Only 8-bit dithers have a
     Triton path; other widths run the reference.
+
+    ``skip`` (bool ``[num_slots, H_kv]``, optional) leaves the marked (slot, KV head) pairs out, as if
+    absent: gating uses it for slots it attends to exactly instead (``integrations/gating.py``). The
+    radius still counts every token of the row in its union bound, which only makes it larger.
     """
     _check_common(q, pool, layer, delta_step, certificate)
+    if skip is not None and (
+        not isinstance(skip, torch.Tensor)
+        or skip.dtype != torch.bool
+        or skip.shape != (pool.num_slots, pool.kv_heads)
+        or skip.device != q.device
+        or not skip.is_contiguous()
+    ):
+        raise ValueError(f"skip must be a contiguous bool [{pool.num_slots}, {pool.kv_heads}] tensor on {q.device}")
     _check_index_tensor("kv_indptr", kv_indptr, q.device)
     _check_index_tensor("kv_indices", kv_indices, q.device)
     if kv_indptr.numel() != q.shape[0] + 1:
@@ -352,6 +373,7 @@ def decode_attention(
         num_kv_splits=num_kv_splits,
         out=out,
         certificate=certificate,
+        skip=skip,
     )
 
 

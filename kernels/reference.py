@@ -553,12 +553,21 @@ def _kv_head_of_query(num_q_heads: int, num_kv_heads: int, device) -> torch.Tens
 
 
 def decode_attention(
-    q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, *, sm_scale: float | None = None, delta_step: float
+    q: torch.Tensor,
+    k: QuantizedKV,
+    v: QuantizedKV,
+    *,
+    sm_scale: float | None = None,
+    delta_step: float,
+    skip: torch.Tensor | None = None,
 ) -> DecodeResult:
     """One decode step of one sequence over a quantized cache, with the certificate.
 
     ``q`` ``[H_q, D]`` (GQA when ``H_q > H_kv``; query head ``i`` reads KV head ``i // (H_q / H_kv)``).
-    Computes in float64 for float64 queries, otherwise float32.
+    Computes in float64 for float64 queries, otherwise float32. ``skip`` ``[S, H_kv]`` (bool) leaves
+    those (token, KV head) pairs out of the attention, as if absent; the radius still counts all ``S``
+    tokens in its union bound (conservative, and what the kernel does). A head that skips every token
+    gets ``out = 0``, ``lse = -inf`` and certificate 0, like an empty sequence.
     """
     if q.dim() != 2:
         raise ValueError(f"q must be [H_q, D], got shape {tuple(q.shape)}")
@@ -579,8 +588,13 @@ def decode_attention(
     k_hat = k.dequantize(dtype)[:, kv_head, :]  # [S, H_q, D]
     v_hat = v.dequantize(dtype)[:, kv_head, :]
     logits = sm_scale * torch.einsum("hd,shd->hs", q, k_hat)
+    if skip is not None:
+        if skip.shape != (k.num_tokens, k.num_kv_heads) or skip.dtype != torch.bool:
+            raise ValueError(f"skip must be a bool [{k.num_tokens}, {k.num_kv_heads}] tensor")
+        logits = logits.masked_fill(skip.to(q.device)[:, kv_head].T, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.exp(logits - lse[:, None])
+    live = lse > -math.inf
+    probs = torch.where(live[:, None], torch.exp(logits - torch.where(live, lse, 0.0)[:, None]), 0.0)
     out = torch.einsum("hs,shd->hd", probs, v_hat)
 
     radius = logit_radius(q, k, sm_scale=sm_scale, delta=delta_step, kv_head_of_query=kv_head)

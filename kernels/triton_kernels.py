@@ -38,15 +38,8 @@ def _dither_fields(
     Same addressing as ``reference.channel_address``: call ``c // C``, word ``(c % C) // F``, field
     ``(c % C) % F`` counted from the word's most significant bits.
     """
+    words = _dither_words(seed, slots, call0, layer, head_word, N, NCALLS)
     n: tl.constexpr = N
-    c0 = tl.broadcast_to(slots.to(tl.uint32)[:, None], (n, NCALLS))
-    c1 = tl.broadcast_to((call0 + tl.arange(0, NCALLS)).to(tl.uint32)[None, :], (n, NCALLS))
-    # Broadcast the scalars through int32 zeros (works whether Triton passed them as constexpr or tensor).
-    c2 = (tl.zeros((n, NCALLS), tl.int32) + layer).to(tl.uint32)
-    c3 = (tl.zeros((n, NCALLS), tl.int32) + head_word).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
-    # join(join(w0, w2), join(w1, w3))[..., x, y] = w_{2x + y}: the flattened order is call * 4 + word.
-    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (n, NCALLS * 4))
     if DITHER_BITS == 8:
         f0 = words >> 24
         f1 = (words >> 16) & 0xFF
@@ -58,6 +51,38 @@ def _dither_fields(
     else:
         fields = words >> 8
     return fields.to(tl.int32)
+
+
+@triton.jit
+def _dither_words(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
+    """Philox words ``[N, NCALLS * 4]`` (uint32) for ``N`` slots, calls ``call0`` on, in call * 4 + word order."""
+    n: tl.constexpr = N
+    c0 = tl.broadcast_to(slots.to(tl.uint32)[:, None], (n, NCALLS))
+    c1 = tl.broadcast_to((call0 + tl.arange(0, NCALLS)).to(tl.uint32)[None, :], (n, NCALLS))
+    # Broadcast the scalars through int32 zeros (works whether Triton passed them as constexpr or tensor).
+    c2 = (tl.zeros((n, NCALLS), tl.int32) + layer).to(tl.uint32)
+    c3 = (tl.zeros((n, NCALLS), tl.int32) + head_word).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    # join(join(w0, w2), join(w1, w3))[..., x, y] = w_{2x + y}: the flattened order is call * 4 + word.
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (n, NCALLS * 4))
+
+
+@triton.jit
+def _neg_xi8(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
+    """``-xi = (255 - 2j) / 512`` (float32, exact) for the 8-bit fields of ``_dither_fields``, same order.
+
+    Built by bits rather than int -> float conversions: ``0x3F800000 | j << 15`` is the float32
+    ``1 + j / 256``, and ``767 / 512 - (1 + j / 256)`` is a difference of floats in [1, 2) that is
+    representable (a multiple of 2**-9 below 1 in magnitude), so the subtraction is exact.
+    """
+    words = _dither_words(seed, slots, call0, layer, head_word, N, NCALLS)
+    mantissa: tl.constexpr = 0x7F8000
+    f0 = (words >> 9) & mantissa
+    f1 = (words >> 1) & mantissa
+    f2 = (words << 7) & mantissa
+    f3 = (words << 15) & mantissa
+    fields = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (N, NCALLS * 16))
+    return 767.0 / 512.0 - (fields | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -223,13 +248,28 @@ def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _code_operand(codes, dtype: tl.constexpr):
+    """The int8 codes as exact ``dtype`` values.
+
+    fp16 by bit pattern: ``code ^ 0x80`` is ``code + 128`` as a byte, zero-extended under ``0x6400`` it is
+    the fp16 ``1152 + code`` (ulp 1 on [1024, 2048)), and subtracting 1152 in fp16 is exact.
+    """
+    if dtype == tl.float16:
+        biased = (codes ^ -128).to(tl.uint8, bitcast=True).to(tl.uint16) | 0x6400
+        return biased.to(tl.float16, bitcast=True) - 1152.0
+    return codes.to(tl.float32).to(dtype)
+
+
+@triton.jit
 def _split_bf16(w):
     """``w = hi + mid + lo`` exactly to 24 bits, each term a bf16 (the wide exponent avoids underflow)."""
-    hi = w.to(tl.bfloat16)
-    rest = w - hi.to(tl.float32)
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
+    # Truncating to the top 16 bits (a mask, no conversion round trip) keeps 8 significant bits per term:
+    # 24 = 8 + 8 + 8, so every term and every difference is exact and each final bf16 conversion is too.
+    hi = (w.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    rest = w - hi
+    mid = (rest.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    lo = rest - mid
+    return hi.to(tl.bfloat16), mid.to(tl.bfloat16), lo.to(tl.bfloat16)
 
 
 @triton.jit
@@ -246,6 +286,7 @@ def _decode_stage1(
     KvStart,
     KvLen,
     KvIndices,
+    Skip,
     PartOut,
     PartLse,
     PartMax,
@@ -273,6 +314,7 @@ def _decode_stage1(
     OUTLIERS_PAD: tl.constexpr,
     NUM_OUTLIERS: tl.constexpr,
     CERTIFICATE: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -300,15 +342,11 @@ def _decode_stage1(
 
     channels = tl.arange(0, HEAD_DIM)
     groups = tl.arange(0, num_groups)
-    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + channels[None, :], mask=head_ok[:, None], other=0.0)
+    q_dtype: tl.constexpr = Q.dtype.element_ty
     in_group = (channels[None, None, :] // GROUP_SIZE) == groups[None, :, None]  # [1, NG, D]
-    q_rows = tl.reshape(tl.where(in_group, q[:, None, :], 0.0), (rows_m, HEAD_DIM))  # [H * NG, D]
-    q32 = q.to(tl.float32)
-    radius_q = q32
     if HAS_OUTLIERS:
         outlier_slot = tl.load(OutlierIndex + kv_head * HEAD_DIM + channels)
         exact_channel = outlier_slot >= 0
-        radius_q = tl.where(exact_channel[None, :], 0.0, q32)
         outlier_index = tl.arange(0, OUTLIERS_PAD)
         outlier_ok = outlier_index < NUM_OUTLIERS
         outlier_channel = tl.load(OutlierChannels + kv_head * NUM_OUTLIERS + outlier_index, mask=outlier_ok, other=0)
@@ -317,9 +355,6 @@ def _decode_stage1(
             mask=head_ok[:, None] & outlier_ok[None, :],
             other=0.0,
         )
-    # Per (head, group): ||q_g||^2 and ||q_g||_1 over the dithered channels (THEORY.md section 2).
-    q_sq = tl.sum(tl.where(in_group, (radius_q * radius_q)[:, None, :], 0.0), axis=2)  # [H, NG]
-    q_l1 = tl.sum(tl.where(in_group, tl.abs(radius_q)[:, None, :], 0.0), axis=2)
     tail = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_two_over_delta))
     sigma_coef = sm_scale * sm_scale / 12.0
     bias_coef = sm_scale * beta
@@ -338,6 +373,7 @@ def _decode_stage1(
     head_word = kv_head.to(tl.uint32)
     v_head_word = head_word | tl.full((), 1 << 31, tl.uint32)
     per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
+    group_calls: tl.constexpr = GROUP_SIZE // per_call
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         token_ok = offs < hi
@@ -347,20 +383,44 @@ def _decode_stage1(
         token_ok = token_ok & slot_in_range
         slots = tl.where(token_ok, slots, 0)
         base = slots * NUM_KV_HEADS + kv_head
-        k_codes = tl.load(KCodes + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0)
+        if HAS_SKIP:
+            token_ok = token_ok & (tl.load(Skip + base, mask=token_ok, other=1) == 0)
+        # QK one channel group at a time with 16-row dots: the group scale multiplies whole columns,
+        # so nothing is reduced across lanes, and the radius accumulates on the same [H, N] layout.
+        logits = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+        sigma_sq = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+        bias = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         k_scales = tl.load(
             KScales + base[:, None] * num_groups + groups[None, :], mask=token_ok[:, None], other=0.0
         ).to(tl.float32)  # [N, NG]
-        k_fields = _dither_fields(seed, slots, 0, layer, head_word, BLOCK_N, HEAD_DIM // per_call, DITHER_BITS)
-        k_neg_xi = ((1 << DITHER_BITS) - 1 - 2 * k_fields).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
-        if HAS_OUTLIERS:
-            k_neg_xi = tl.where(exact_channel[None, :], 0.0, k_neg_xi)
-        partial = _dot16(
-            q_rows, tl.trans(k_codes.to(tl.float32).to(q.dtype)), tl.zeros((rows_m, BLOCK_N), tl.float32), INTERPRETED
-        )
-        partial = _dot16(q_rows, tl.trans(k_neg_xi.to(q.dtype)), partial, INTERPRETED)  # [H * NG, N]
-        partial = tl.reshape(partial, (BLOCK_H, num_groups, BLOCK_N))
-        logits = tl.sum(partial * tl.trans(k_scales)[None, :, :], axis=1) * sm_scale
+        for g in tl.static_range(num_groups):
+            group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+            codes_g = tl.load(
+                KCodes + base[:, None] * HEAD_DIM + group_channels[None, :], mask=token_ok[:, None], other=0
+            )
+            # The decode kernels run 8-bit dithers only (attention.py sends wider ones to the reference).
+            neg_xi_g = _neg_xi8(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
+            q_g = tl.load(
+                Q + row * stride_qb + heads[:, None] * stride_qh + group_channels[None, :],
+                mask=head_ok[:, None],
+                other=0.0,
+            )
+            if HAS_OUTLIERS:
+                exact_g = tl.load(OutlierIndex + kv_head * HEAD_DIM + group_channels) >= 0
+                neg_xi_g = tl.where(exact_g[None, :], 0.0, neg_xi_g)
+            part = _dot16(
+                q_g, tl.trans(_code_operand(codes_g, q_dtype)), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), INTERPRETED
+            )
+            part = _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
+            scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
+            logits += part * scale_g[None, :]
+            if CERTIFICATE:
+                radius_q_g = q_g.to(tl.float32)
+                if HAS_OUTLIERS:
+                    radius_q_g = tl.where(exact_g[None, :], 0.0, radius_q_g)
+                sigma_sq += tl.sum(radius_q_g * radius_q_g, axis=1)[:, None] * (scale_g * scale_g)[None, :]
+                bias += tl.sum(tl.abs(radius_q_g), axis=1)[:, None] * scale_g[None, :]
+        logits = logits * sm_scale
         if HAS_OUTLIERS:
             k_exact = tl.load(
                 KOutliers + base[:, None] * NUM_OUTLIERS + outlier_index[None, :],
@@ -374,14 +434,15 @@ def _decode_stage1(
 
         tile_max = tl.max(logits, axis=1)
         new_max = tl.maximum(running_max, tile_max)
-        alpha = tl.exp(running_max - new_max)
-        weights = tl.exp(logits - new_max[:, None])  # [H, N]
+        # A tile whose tokens are all skipped, before any live one, leaves the max at -inf: shift by 0.
+        shift = tl.where(new_max == -_FP32_INF, 0.0, new_max)
+        alpha = tl.exp(running_max - shift)
+        weights = tl.exp(logits - shift[:, None])  # [H, N]
         running_sum = running_sum * alpha + tl.sum(weights, axis=1)
 
         if CERTIFICATE:
-            scales_t = tl.trans(k_scales)  # [NG, N]
-            sigma_sq = tl.sum(q_sq[:, :, None] * (scales_t * scales_t)[None, :, :], axis=1) * sigma_coef
-            bias = tl.sum(q_l1[:, :, None] * scales_t[None, :, :], axis=1) * bias_coef
+            sigma_sq = sigma_sq * sigma_coef
+            bias = bias * bias_coef
             radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
             expm1_u, g_u = _expm1_and_g(radius)
             tile_arg = tl.argmax(logits, axis=1, tie_break_left=True)
@@ -391,7 +452,7 @@ def _decode_stage1(
             rest = (~is_arg) & token_ok[None, :]
             tile_a1 = tl.sum(tl.where(rest, _mul_nonneg(weights, expm1_u), 0.0), axis=1)
             tile_b = tl.sum(tl.where(rest, _mul_nonneg(weights, g_u), 0.0), axis=1)
-            weight_arg = tl.exp(tile_max - new_max)
+            weight_arg = tl.exp(tile_max - shift)
             expm1_old, g_old = _expm1_and_g(u_max)
             # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
             moved = tile_max > running_max
@@ -421,8 +482,7 @@ def _decode_stage1(
         acc = _dot16(w_mid, v_operand, acc, INTERPRETED)
         acc = _dot16(w_lo, v_operand, acc, INTERPRETED)
         if V_DITHER:
-            v_fields = _dither_fields(seed, slots, 0, layer, v_head_word, BLOCK_N, HEAD_DIM // per_call, DITHER_BITS)
-            v_neg_xi = ((1 << DITHER_BITS) - 1 - 2 * v_fields).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
+            v_neg_xi = _neg_xi8(seed, slots, 0, layer, v_head_word, BLOCK_N, HEAD_DIM // per_call)
             if HAS_OUTLIERS:
                 v_neg_xi = tl.where(exact_channel[None, :], 0.0, v_neg_xi)
             xi_operand = v_neg_xi.to(tl.bfloat16)

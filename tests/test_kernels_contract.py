@@ -121,6 +121,57 @@ def test_decode_with_outlier_channels_matches_reference():
     assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 
 
+def _reference_with_skip(q_row, pool, row_slots, skip):
+    return reference.decode_attention(
+        q_row.float(), pool.quantized(1, row_slots, "k"), pool.quantized(1, row_slots, "v"),
+        delta_step=DELTA, skip=skip[row_slots],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_skipped_pairs_are_left_out_like_the_reference(splits):
+    lengths = [150, 40]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=2)
+    q = _query(2, 14)
+    generator = torch.Generator().manual_seed(11)
+    skip = torch.rand(pool.num_slots, 2, generator=generator) < 0.3
+    skip[slots[:128], 1] = True  # row 0, KV head 1: a whole first tile skipped before live tokens
+    skip[slots[150:], 0] = True  # row 1, KV head 0: every token skipped
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits, skip=skip)
+    for row in range(2):
+        row_slots = slots[int(indptr[row]) : int(indptr[row + 1])]
+        expected = _reference_with_skip(q[row], pool, row_slots, skip)
+        assert relative_error(result.out[row], expected.out) <= 1e-5
+        torch.testing.assert_close(result.lse[row], expected.lse, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
+    # A head with nothing left reads like an empty sequence.
+    assert torch.all(result.out[1, :7] == 0) and torch.all(result.lse[1, :7] == -math.inf)
+    assert torch.all(result.certificate[1, :7] == 0)
+
+
+def test_skipping_a_token_for_every_head_equals_removing_it():
+    pool, indptr, slots = filled_pool([60], kv_heads=2)
+    q = _query(1, 4)
+    skip = torch.zeros(pool.num_slots, 2, dtype=torch.bool)
+    skip[slots[::3]] = True
+    kept = slots[(torch.arange(60) % 3) != 0]
+    skipped = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2, skip=skip)
+    removed = decode_attention(q, pool, 1, torch.tensor([0, kept.numel()], dtype=torch.int32), kept,
+                               delta_step=DELTA, num_kv_splits=2)  # fmt: skip
+    assert relative_error(skipped.out[0], removed.out[0]) <= 1e-6
+    torch.testing.assert_close(skipped.lse, removed.lse, rtol=1e-6, atol=1e-6)
+    # The union bound still counts the 60 tokens of the row, not the 40 read: never a smaller radius.
+    assert torch.all(skipped.certificate >= removed.certificate)
+
+
+def test_skip_must_be_a_bool_mask_over_slots_and_kv_heads():
+    pool, indptr, slots = filled_pool([10], kv_heads=2)
+    q = _query(1, 4)
+    for bad in (torch.zeros(pool.num_slots, 2, dtype=torch.uint8), torch.zeros(pool.num_slots, 3, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="skip must be"):
+            decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, skip=bad)
+
+
 def test_certificate_is_inf_where_the_reference_overflows_never_nan():
     lengths = [40, 30]
     pool, indptr, slots = filled_pool(lengths, kv_heads=1, key_scale=2000.0)
