@@ -138,8 +138,8 @@ def _run_triton(
     kernels = kernels_module()
     rows, num_q_heads, head_dim = q.shape
     kv_group = num_q_heads // pool.kv_heads
-    # A dot needs 16 rows: (head, group) rows are BLOCK_H * NG, so pad the head block up to that.
-    block_h = max(_pow2(kv_group), _pow2(max(1, 16 // pool.num_groups)))
+    # One program holds the query heads of one KV head (Triton pads the dots' rows for the tensor cores).
+    block_h = _pow2(kv_group)
     head_blocks = pool.kv_heads * -(-kv_group // block_h)
     device = q.device
     part_out = torch.empty(rows, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device)
@@ -192,6 +192,7 @@ def _run_triton(
         NUM_OUTLIERS=max(1, pool.num_outliers),
         CERTIFICATE=certificate,
         HAS_SKIP=skip is not None,
+        OFFSETS_64=pool.codes[layer, 0].numel() >= 2**31,
         NUM_SPLITS=num_kv_splits,
         INTERPRETED=device.type != "cuda",
         num_warps=LAUNCH.num_warps,

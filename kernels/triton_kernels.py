@@ -26,6 +26,8 @@ import triton.language as tl
 # even, which is exactly torch.round.
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _FP32_INF = tl.constexpr(float("inf"))
+# Weights p~ <= 1 scaled by 2**14 before their fp16 split (nearest-V output path).
+_P_SCALE = tl.constexpr(16384.0)
 # NaN is written inline as inf - inf: a NaN global never equals itself, which Triton reads as a changed global.
 
 
@@ -248,16 +250,95 @@ def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _code_operand(codes, dtype: tl.constexpr):
+def _code_operand(codes, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """The int8 codes as exact ``dtype`` values.
 
     fp16 by bit pattern: ``code ^ 0x80`` is ``code + 128`` as a byte, zero-extended under ``0x6400`` it is
-    the fp16 ``1152 + code`` (ulp 1 on [1024, 2048)), and subtracting 1152 in fp16 is exact.
+    the fp16 ``1152 + code`` (ulp 1 on [1024, 2048)), and subtracting 1152 in fp16 is exact. Compiled,
+    four codes take one ``xor``, two ``prmt`` (the byte under the exponent byte ``0x64``) and two ``f16x2``
+    subtractions.
     """
     if dtype == tl.float16:
-        biased = (codes ^ -128).to(tl.uint8, bitcast=True).to(tl.uint16) | 0x6400
-        return biased.to(tl.float16, bitcast=True) - 1152.0
+        if INTERPRETED:
+            biased = (codes ^ -128).to(tl.uint8, bitcast=True).to(tl.uint16) | 0x6400
+            return biased.to(tl.float16, bitcast=True) - 1152.0
+        return tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 biased, offset;
+            xor.b32 biased, $2, 0x80808080;
+            mov.b32 offset, 0xE480E480;
+            prmt.b32 $0, biased, 0x64646464, 0x4140;
+            prmt.b32 $1, biased, 0x64646464, 0x4342;
+            add.rn.f16x2 $0, $0, offset;
+            add.rn.f16x2 $1, $1, offset;
+            }
+            """,
+            "=r,=r,r",
+            [codes],
+            dtype=tl.float16,
+            is_pure=True,
+            pack=4,
+        )
     return codes.to(tl.float32).to(dtype)
+
+
+@triton.jit
+def _neg_xi8_fp16(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
+    """``_neg_xi8`` as fp16 (exact), two channels per instruction (compiled GPU path only).
+
+    ``prmt`` puts a field's byte ``j`` under the exponent byte ``0x44``: the fp16 ``4 + j / 256``. Then
+    ``(4 + j / 256) - 4.5`` and ``-(that) - 1 / 512`` give ``(255 - 2j) / 512``; both steps are exact
+    (multiples of 2**-9 below 1/2 in magnitude), on channel pairs (``f16x2``).
+    """
+    words = _dither_words(seed, slots, call0, layer, head_word, N, NCALLS)
+    # Field i of a word sits in byte 3 - i (fields count from the most significant bits).
+    f0, f1, f2, f3 = tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 pair, bias, sign, tail;
+        mov.b32 bias, 0xC480C480;
+        mov.b32 sign, 0xBC00BC00;
+        mov.b32 tail, 0x98009800;
+        prmt.b32 pair, $4, 0x44444444, 0x4243;
+        add.rn.f16x2 pair, pair, bias;
+        fma.rn.f16x2 pair, pair, sign, tail;
+        mov.b32 {$0, $1}, pair;
+        prmt.b32 pair, $4, 0x44444444, 0x4041;
+        add.rn.f16x2 pair, pair, bias;
+        fma.rn.f16x2 pair, pair, sign, tail;
+        mov.b32 {$2, $3}, pair;
+        }
+        """,
+        "=h,=h,=h,=h,r",
+        [words],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    return tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (N, NCALLS * 16))
+
+
+@triton.jit
+def _by_group(x, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """``[N, NG * G]`` -> ``[NG, N, G]``: one batch entry per channel group, for the batched PV dot."""
+    return tl.permute(tl.reshape(x, (N, NUM_GROUPS, GROUP_SIZE)), (1, 0, 2))
+
+
+@triton.jit
+def _scaled_fp16_pair(code, scale, INTERPRETED: tl.constexpr):
+    """``(hi, lo)`` in fp16 with ``hi + lo = scale * code`` exactly, for fp16 ``scale`` and integer ``code``.
+
+    The product has at most 19 significant bits on the 2**-24 grid, so ``hi = fp16(scale * code)``
+    leaves a remainder of at most 8 bits on that grid: fp16 holds it exactly (down to subnormals).
+    """
+    hi = code * scale
+    if INTERPRETED:
+        # The interpreter rounds a * b before adding c in an fp16 fma; fp32 holds the product exactly.
+        lo = (code.to(tl.float32) * scale.to(tl.float32) - hi.to(tl.float32)).to(tl.float16)
+    else:
+        lo = tl.fma(code, scale, -hi)
+    return hi, lo
 
 
 @triton.jit
@@ -315,6 +396,7 @@ def _decode_stage1(
     NUM_OUTLIERS: tl.constexpr,
     CERTIFICATE: tl.constexpr,
     HAS_SKIP: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -324,7 +406,6 @@ def _decode_stage1(
     split = tl.program_id(2)
     blocks_per_kv_head: tl.constexpr = (KV_GROUP + BLOCK_H - 1) // BLOCK_H
     num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    rows_m: tl.constexpr = BLOCK_H * num_groups
     kv_head = head_block // blocks_per_kv_head
     local_heads = (head_block % blocks_per_kv_head) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = local_heads < KV_GROUP
@@ -343,7 +424,6 @@ def _decode_stage1(
     channels = tl.arange(0, HEAD_DIM)
     groups = tl.arange(0, num_groups)
     q_dtype: tl.constexpr = Q.dtype.element_ty
-    in_group = (channels[None, None, :] // GROUP_SIZE) == groups[None, :, None]  # [1, NG, D]
     if HAS_OUTLIERS:
         outlier_slot = tl.load(OutlierIndex + kv_head * HEAD_DIM + channels)
         exact_channel = outlier_slot >= 0
@@ -361,7 +441,10 @@ def _decode_stage1(
 
     running_max = tl.full((BLOCK_H,), -_FP32_INF, tl.float32)
     running_sum = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((rows_m, HEAD_DIM), tl.float32)
+    if V_DITHER:
+        acc = tl.zeros((num_groups, BLOCK_H, GROUP_SIZE), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
     a1_rest = tl.zeros((BLOCK_H,), tl.float32)
     b_rest = tl.zeros((BLOCK_H,), tl.float32)
     u_max = tl.zeros((BLOCK_H,), tl.float32)
@@ -377,7 +460,8 @@ def _decode_stage1(
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         token_ok = offs < hi
-        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64)
+        # 32-bit element offsets where the pool is small enough (fewer address instructions).
+        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64 if OFFSETS_64 else tl.int32)
         slot_in_range = (slots >= 0) & (slots < num_slots)
         slots_ok = slots_ok & (tl.sum((token_ok & ~slot_in_range).to(tl.int32), axis=0) == 0)
         token_ok = token_ok & slot_in_range
@@ -399,7 +483,10 @@ def _decode_stage1(
                 KCodes + base[:, None] * HEAD_DIM + group_channels[None, :], mask=token_ok[:, None], other=0
             )
             # The decode kernels run 8-bit dithers only (attention.py sends wider ones to the reference).
-            neg_xi_g = _neg_xi8(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
+            if q_dtype == tl.float16 and not INTERPRETED:
+                neg_xi_g = _neg_xi8_fp16(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
+            else:
+                neg_xi_g = _neg_xi8(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
             q_g = tl.load(
                 Q + row * stride_qb + heads[:, None] * stride_qh + group_channels[None, :],
                 mask=head_ok[:, None],
@@ -409,7 +496,7 @@ def _decode_stage1(
                 exact_g = tl.load(OutlierIndex + kv_head * HEAD_DIM + group_channels) >= 0
                 neg_xi_g = tl.where(exact_g[None, :], 0.0, neg_xi_g)
             part = _dot16(
-                q_g, tl.trans(_code_operand(codes_g, q_dtype)), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), INTERPRETED
+                q_g, tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), INTERPRETED
             )
             part = _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
@@ -468,27 +555,42 @@ def _decode_stage1(
             )
             u_max = tl.where(moved, u_arg, u_max)
 
-        # Output: sum_t p_t * s_t * v_t per (head, group) row, the fp32 weight split into exact bf16 terms.
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0)
-        v_scales = tl.load(
-            VScales + base[:, None] * num_groups + groups[None, :], mask=token_ok[:, None], other=0.0
-        ).to(tl.float32)
-        row_weights = tl.reshape(weights[:, None, :] * tl.trans(v_scales)[None, :, :], (rows_m, BLOCK_N))
-        w_hi, w_mid, w_lo = _split_bf16(row_weights)
-        acc = acc * tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_H, num_groups)), (rows_m,))[:, None]
-        # int8 -> fp32 -> bf16: exact, and Triton's interpreter mis-converts int8 -> bf16 directly.
-        v_operand = v_codes.to(tl.float32).to(tl.bfloat16)
-        acc = _dot16(w_hi, v_operand, acc, INTERPRETED)
-        acc = _dot16(w_mid, v_operand, acc, INTERPRETED)
-        acc = _dot16(w_lo, v_operand, acc, INTERPRETED)
+        v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :], mask=token_ok[:, None], other=0.0)
         if V_DITHER:
+            # Output: sum_t p_t s_t (code_t - xi_t), one batched dot over the groups: [NG, H, N] weights
+            # (p~ times the group's scale, split into three exact bf16 terms) by [NG, N, G] operands.
+            group_weights = weights[None, :, :] * tl.trans(v_scales.to(tl.float32))[:, None, :]
+            w_hi, w_mid, w_lo = _split_bf16(group_weights)
+            acc = acc * alpha[None, :, None]
+            # int8 -> fp32 -> bf16: exact, and Triton's interpreter mis-converts int8 -> bf16 directly.
+            v_operand = _by_group(v_codes.to(tl.float32).to(tl.bfloat16), BLOCK_N, num_groups, GROUP_SIZE)
+            acc = _dot16(w_hi, v_operand, acc, INTERPRETED)
+            acc = _dot16(w_mid, v_operand, acc, INTERPRETED)
+            acc = _dot16(w_lo, v_operand, acc, INTERPRETED)
             v_neg_xi = _neg_xi8(seed, slots, 0, layer, v_head_word, BLOCK_N, HEAD_DIM // per_call)
             if HAS_OUTLIERS:
                 v_neg_xi = tl.where(exact_channel[None, :], 0.0, v_neg_xi)
-            xi_operand = v_neg_xi.to(tl.bfloat16)
+            xi_operand = _by_group(v_neg_xi.to(tl.bfloat16), BLOCK_N, num_groups, GROUP_SIZE)
             acc = _dot16(w_hi, xi_operand, acc, INTERPRETED)
             acc = _dot16(w_mid, xi_operand, acc, INTERPRETED)
             acc = _dot16(w_lo, xi_operand, acc, INTERPRETED)
+        else:
+            # Output: sum_t p_t v_hat_t with v_hat = s * code on the nearest grid. The product of an fp16
+            # scale and an int8 code is exactly v_hi + v_lo in fp16, and 2**14 p (at most 2**14, so no
+            # overflow, and far from fp16's underflow for every weight that matters) is p_hi + p_mid to
+            # 22 bits: three fp16 dots, no per-group weights, plain [H, N] x [N, D].
+            channel_scale = tl.reshape(
+                tl.broadcast_to(v_scales[:, :, None], (BLOCK_N, num_groups, GROUP_SIZE)), (BLOCK_N, HEAD_DIM)
+            )
+            v_hi, v_lo = _scaled_fp16_pair(_code_operand(v_codes, tl.float16, INTERPRETED), channel_scale, INTERPRETED)
+            scaled = weights * _P_SCALE
+            p_hi = scaled.to(tl.float16)
+            p_mid = (scaled - p_hi.to(tl.float32)).to(tl.float16)
+            acc = acc * alpha[:, None]
+            acc = _dot16(p_hi, v_hi, acc, INTERPRETED)
+            acc = _dot16(p_hi, v_lo, acc, INTERPRETED)
+            acc = _dot16(p_mid, v_hi, acc, INTERPRETED)
         if HAS_OUTLIERS:
             v_exact = tl.load(
                 VOutliers + base[:, None] * NUM_OUTLIERS + outlier_index[None, :],
@@ -498,8 +600,10 @@ def _decode_stage1(
             acc_outliers = acc_outliers * alpha[:, None] + tl.sum(weights[:, :, None] * v_exact[None, :, :], axis=1)
         running_max = new_max
 
-    # Row (h, g) of acc holds group g's channels of head h: keep those, sum the groups away.
-    out = tl.sum(tl.where(in_group, tl.reshape(acc, (BLOCK_H, num_groups, HEAD_DIM)), 0.0), axis=1)
+    if V_DITHER:
+        out = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_H, HEAD_DIM))
+    else:
+        out = acc * (1.0 / _P_SCALE)
     if HAS_OUTLIERS:
         one_hot = (outlier_channel[:, None] == channels[None, :]) & outlier_ok[:, None]  # [M, D]
         out += tl.sum(tl.where(one_hot[None, :, :], acc_outliers[:, :, None], 0.0), axis=1)
