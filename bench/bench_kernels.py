@@ -137,7 +137,7 @@ def bench_write(tokens: int = 2**20) -> dict:
     }
 
 
-SWEEP = [LaunchConfig(64, 4, 2), LaunchConfig(128, 4, 2), LaunchConfig(64, 8, 2)]
+SWEEP = [LaunchConfig(64, 4, 2), LaunchConfig(128, 4, 2), LaunchConfig(128, 8, 2), LaunchConfig(64, 8, 2)]
 
 
 def sweep_launch(delta: float) -> list[dict]:

@@ -496,7 +496,10 @@ def _decode_stage1(
                 exact_g = tl.load(OutlierIndex + kv_head * HEAD_DIM + group_channels) >= 0
                 neg_xi_g = tl.where(exact_g[None, :], 0.0, neg_xi_g)
             part = _dot16(
-                q_g, tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)), tl.zeros((BLOCK_H, BLOCK_N), tl.float32), INTERPRETED
+                q_g,
+                tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)),
+                tl.zeros((BLOCK_H, BLOCK_N), tl.float32),
+                INTERPRETED,
             )
             part = _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
@@ -532,13 +535,18 @@ def _decode_stage1(
             bias = bias * bias_coef
             radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
             expm1_u, g_u = _expm1_and_g(radius)
-            tile_arg = tl.argmax(logits, axis=1, tie_break_left=True)
-            is_arg = tl.arange(0, BLOCK_N)[None, :] == tile_arg[:, None]
+            # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
+            index = tl.arange(0, BLOCK_N)[None, :]
+            tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, BLOCK_N), axis=1)
+            is_arg = index == tile_arg[:, None]
             u_arg = tl.sum(tl.where(is_arg, radius, 0.0), axis=1)
             expm1_arg, g_arg = _expm1_and_g(u_arg)
             rest = (~is_arg) & token_ok[None, :]
-            tile_a1 = tl.sum(tl.where(rest, _mul_nonneg(weights, expm1_u), 0.0), axis=1)
-            tile_b = tl.sum(tl.where(rest, _mul_nonneg(weights, g_u), 0.0), axis=1)
+            # weights are finite (exp of a logit minus the running max): only a zero weight needs care,
+            # so that 0 * inf adds 0, as _mul_nonneg would.
+            rest = rest & (weights > 0)
+            tile_a1 = tl.sum(tl.where(rest, weights * expm1_u, 0.0), axis=1)
+            tile_b = tl.sum(tl.where(rest, weights * g_u, 0.0), axis=1)
             weight_arg = tl.exp(tile_max - shift)
             expm1_old, g_old = _expm1_and_g(u_max)
             # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).

@@ -68,13 +68,19 @@ def _on_cpu(quantized: reference.QuantizedKV) -> reference.QuantizedKV:
     )
 
 
-def oracle(q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, *, delta: float) -> reference.DecodeResult:
-    """The reference decode of one query row ``[H_q, D]`` over ``slots`` of the pool (float32, on CPU)."""
+def oracle(
+    q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, *, delta: float, skip: torch.Tensor | None = None
+) -> reference.DecodeResult:
+    """The reference decode of one query row ``[H_q, D]`` over ``slots`` of the pool (float32, on CPU).
+
+    ``skip``: the pool-wide ``[num_slots, H_kv]`` mask given to the kernel; the rows of ``slots`` are used.
+    """
     return reference.decode_attention(
         q.float().cpu(),
         _on_cpu(pool.quantized(layer, slots, "k")),
         _on_cpu(pool.quantized(layer, slots, "v")),
         delta_step=delta,
+        skip=None if skip is None else skip.cpu()[slots.cpu()],
     )
 
 

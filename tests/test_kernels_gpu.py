@@ -51,8 +51,9 @@ def test_write_and_dither_are_bit_identical_on_gpu():
         (4, 7, 16, False, torch.float16),
         (4, 7, 16, False, torch.bfloat16),
         (8, 1, 16, True, torch.float16),
+        (8, 1, 1, False, torch.bfloat16),
     ],
-    ids=["qwen-page1-vdither", "qwen-page16-vnearest", "qwen-bf16", "mha"],
+    ids=["qwen-page1-vdither", "qwen-page16-vnearest", "qwen-bf16", "mha", "mha-bf16-vnearest"],
 )
 def test_decode_matches_reference_on_gpu(kv_heads, group, page_size, v_dither, dtype):
     lengths = [1, 4097, 0, 1500, 64]
@@ -64,6 +65,27 @@ def test_decode_matches_reference_on_gpu(kv_heads, group, page_size, v_dither, d
         result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
         assert result.path == "triton-gpu"
         assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+@pytest.mark.parametrize("v_dither", [True, False])
+def test_decode_with_outliers_and_skipped_pairs_matches_reference_on_gpu(v_dither):
+    channels = reference.rope_pair_channels([2, 40], 128)
+    lengths = [3000, 130]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=4, outlier_channels=channels, v_dither=v_dither, device=CUDA)
+    q = _query(2, 28)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+    generator = torch.Generator().manual_seed(5)
+    skip = torch.rand(pool.num_slots, 4, generator=generator) < 0.2
+    skip[slots[:1024].cpu(), 2] = True  # whole tiles skipped before live tokens
+    skip[slots[3000:].cpu(), 1] = True  # row 1, KV head 1: nothing left
+    skipped = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, skip=skip.to(CUDA))
+    for row in range(2):
+        row_slots = slots[int(indptr[row]) : int(indptr[row + 1])]
+        expected = oracle(q[row], pool, 1, row_slots, delta=DELTA, skip=skip)
+        assert relative_error(skipped.out[row], expected.out) <= 1e-5
+        torch.testing.assert_close(skipped.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
+    assert torch.all(skipped.lse[1, 7:14] == -float("inf")) and torch.all(skipped.certificate[1, 7:14] == 0)
 
 
 def test_extend_matches_reference_on_gpu():
