@@ -1,13 +1,17 @@
-"""Gating policy and the certified decode path that repairs heads from exact K/V (THEORY.md section 5).
+"""Gating policy, the certified decode path that repairs heads from exact K/V, and the merge of the
+fused kernel's result with the exact part over repaired tokens (THEORY.md section 6).
 
 A head whose certificate exceeds ``tau`` is repaired: the bound decomposes over tokens
 (``A1 = sum_t p~_t expm1(u_t)``), exact tokens have ``u_t = 0``, so paging in a block of exact K/V
 removes that block's share. Blocks are paged in by decreasing share and the head is recomputed after
-each one, stopping as soon as its certificate is ``<= tau``. Repaired (slot, KV head) pairs are handed
-back to the caller to keep: a request pays for each slot at most once.
+each one, stopping as soon as its certificate is ``<= tau`` (``certified_decode``). Repaired
+(slot, KV head) pairs are handed back to the caller to keep: a request pays for each slot at most once.
 
-This path is plain torch: it runs on CPU as the decode itself, and on GPU only for the rare
-sequences that need repair (or that already hold repaired slots, which the fused kernel cannot read).
+Later steps read those pairs exactly without the per-row path: the fused kernel skips them, the exact
+part over them is computed for the whole batch at once (``exact_attention``), and ``merge_exact``
+combines the two softmax parts and their certificate accumulators. ``certified_decode`` is plain torch:
+in the transformers cache it runs only for rows whose merged certificate exceeds tau. The SGLang
+backend does not merge yet: it recomputes on it every row whose kernel certificate exceeds tau.
 """
 
 from __future__ import annotations
@@ -165,3 +169,109 @@ def certified_decode(
         repaired_bytes=repaired_bytes,
         repaired_positions=repaired,
     )
+
+
+@dataclass
+class ExactPart:
+    """Attention over the exactly read (repaired) tokens alone: ``out`` ``[B, H_q, D]``, the rest ``[B, H_q]``.
+
+    A head with no such token has ``lse = max_logit = -inf``, ``out = 0`` and ``p_max = 0``.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor  # natural log of sum_t exp(z_t) over the exact tokens
+    max_logit: torch.Tensor  # m_e: the largest exact logit
+    p_max: torch.Tensor  # exp(m_e - lse)
+
+
+def exact_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    row_of: torch.Tensor,
+    kv_head_of: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    sm_scale: float,
+) -> ExactPart:
+    """Attention of ``q`` ``[B, H_q, D]`` over ``N`` exact (token, KV head) pairs, all rows of the batch at once.
+
+    Pair ``n`` holds the exact ``keys[n]``, ``values[n]`` ``[D]`` of one token of batch row ``row_of[n]``
+    at KV head ``kv_head_of[n]``; every query head of that KV head reads it. Computes in float64 for a
+    float64 ``q``, otherwise float32. No host sync, no Python loop over rows.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    group = num_q_heads // num_kv_heads
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cells = batch * num_kv_heads
+    segment = row_of * num_kv_heads + kv_head_of  # [N]: the (row, KV head) cell of each pair
+    q_cells = q.to(dtype).reshape(cells, group, head_dim)
+    logits = sm_scale * (q_cells[segment] @ keys.to(dtype)[:, :, None]).squeeze(-1)  # [N, G]
+    max_logit = torch.full((cells, group), -math.inf, dtype=dtype, device=q.device)
+    max_logit.scatter_reduce_(0, segment[:, None].expand_as(logits), logits, reduce="amax")
+    weights = torch.exp(logits - max_logit[segment])  # [N, G], each cell's largest is 1
+    total = torch.zeros_like(max_logit).index_add_(0, segment, weights)
+    weighted = torch.zeros(cells, group, head_dim, dtype=dtype, device=q.device)
+    weighted.index_add_(0, segment, weights[:, :, None] * values.to(dtype)[:, None, :])
+    live = total > 0
+    safe_total = torch.where(live, total, 1.0)
+    return ExactPart(
+        out=(weighted / safe_total[:, :, None]).reshape(batch, num_q_heads, head_dim),
+        lse=torch.where(live, max_logit + torch.log(safe_total), -math.inf).reshape(batch, num_q_heads),
+        max_logit=max_logit.reshape(batch, num_q_heads),
+        p_max=torch.where(live, 1.0 / safe_total, 0.0).reshape(batch, num_q_heads),
+    )
+
+
+@dataclass
+class MergedDecode:
+    """The attention over all tokens of a row, quantized and exact: ``out`` ``[B, H_q, D]``, the rest ``[B, H_q]``."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    certificate: torch.Tensor
+
+
+def merge_exact(
+    out_q: torch.Tensor,
+    lse_q: torch.Tensor,
+    accumulators: reference.CertificateAccumulators,
+    certificate_q: torch.Tensor,
+    exact: ExactPart,
+) -> MergedDecode:
+    """Merge the kernel's part over the quantized tokens with the exact part over the repaired ones.
+
+    ``out_q``, ``lse_q``, ``accumulators`` and ``certificate_q`` are the kernel's outputs over the tokens
+    it read, normalized by its own ``lse_q``. Exact tokens have radius 0, so they add nothing to
+    ``A1_rest`` or ``B_rest``; only the weights and the held-apart argmax change (THEORY.md section 6).
+    A head with no quantized token gets certificate 0; a head with no exact token keeps the kernel's
+    values. An overflowed (+inf) accumulator stays +inf, never NaN.
+    """
+    q_live = lse_q > -math.inf
+    e_live = exact.lse > -math.inf
+    lse = torch.logaddexp(lse_q, exact.lse)
+    safe_lse = torch.where(lse > -math.inf, lse, 0.0)
+    w_q = torch.where(q_live, torch.exp(lse_q - safe_lse), 0.0)
+    w_e = torch.where(e_live, torch.exp(exact.lse - safe_lse), 0.0)
+    out = w_q[..., None] * out_q + w_e[..., None] * exact.out
+
+    zero = torch.zeros((), dtype=lse_q.dtype, device=lse_q.device)
+    a1_q = torch.where(q_live, accumulators.a1_rest, zero)
+    b_q = torch.where(q_live, accumulators.b_rest, zero)
+    p_max_q = torch.where(q_live, accumulators.p_max, zero)
+    u_max_q = torch.where(q_live, accumulators.u_max, zero)
+    # The kernel's argmax logit; the exact part holds the merged argmax when its largest logit is above it.
+    max_q = torch.where(q_live, lse_q + torch.log(p_max_q), -math.inf)
+    exact_holds = e_live & (exact.max_logit > max_q)
+    # Exact argmax: the kernel's argmax token joins the rest sums.
+    a1_with_max = a1_q + reference._mul_nonneg(p_max_q, torch.expm1(u_max_q))
+    b_with_max = b_q + reference._mul_nonneg(p_max_q, reference.expm1_minus_x(u_max_q))
+    a1_rest = reference._mul_nonneg(w_q, torch.where(exact_holds, a1_with_max, a1_q))
+    b_rest = reference._mul_nonneg(w_q, torch.where(exact_holds, b_with_max, b_q))
+    p_max = torch.where(exact_holds, w_e * exact.p_max, w_q * p_max_q)
+    u_max = torch.where(exact_holds, zero, u_max_q)
+    merged = reference.certificate_from_accumulators(a1_rest, b_rest, p_max, u_max).certificate
+    certificate = torch.where(e_live, torch.where(q_live, merged, zero), certificate_q)
+    return MergedDecode(out=out, lse=lse, certificate=certificate)

@@ -10,7 +10,8 @@ Use::
 Prefill attends on the exact K/V it has just written (no certificate: there is no quantized read).
 Each decode step (one new token) attends over the pool with the real post-RoPE query through the fused
 ``witcert.kernels.decode_attention`` (Triton on GPU, its torch reference on CPU), so the certificate
-describes exactly the attention the model used. In gate mode every head above tau is repaired from
+describes exactly the attention the model used. In gate mode the kernel skips the (slot, KV head)
+pairs repaired earlier, whose exact part is merged in, and every head still above tau is repaired from
 the exact host backup (``witcert.integrations.gating``) as soon as its layer has run. Each layer's
 certificates ``[B, H_q]`` (with fallbacks and repaired bytes in gate mode) are copied into a per-step
 buffer ``[L, B, H_q]``, and the observer gets the whole step in one ``observe_layers`` call when the
@@ -35,7 +36,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from witcert.integrations.gating import CachePolicy, GateMode, SequenceDecode, certified_decode
+from witcert.integrations.gating import (
+    CachePolicy,
+    GateMode,
+    SequenceDecode,
+    certified_decode,
+    exact_attention,
+    merge_exact,
+)
 from witcert.kernels import KVPool, decode_attention, reference
 
 ATTENTION_NAME = "witcert"
@@ -63,16 +71,30 @@ class DecodeAudit(Protocol):
 
 
 class _RepairedSlots:
-    """Exact K/V rows of repaired (slot, KV head) pairs of one layer, kept on the compute device."""
+    """Exact K/V rows of repaired (slot, KV head) pairs of one layer, kept on the compute device.
+
+    ``skip`` ``[num_slots, H_kv]`` marks the pairs held here: the fused kernel leaves them out and
+    ``gating.exact_attention`` reads them from ``keys`` / ``values`` (pair ``n`` is ``(slot[n], kv_head[n])``).
+    Pairs are only ever added: a ``WitcertCache`` serves one request and never frees or reorders slots.
+    """
 
     def __init__(self, num_slots: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype):
         self.row_of = torch.full((num_slots, kv_heads), -1, dtype=torch.int64, device=device)
+        self.skip = torch.zeros(num_slots, kv_heads, dtype=torch.bool, device=device)
+        self.slot = torch.empty(0, dtype=torch.int64, device=device)
+        self.kv_head = torch.empty(0, dtype=torch.int64, device=device)
         self.keys = torch.empty(0, head_dim, dtype=dtype, device=device)
         self.values = torch.empty(0, head_dim, dtype=dtype, device=device)
 
+    def __len__(self) -> int:
+        return self.keys.shape[0]  # known on the host: no sync
+
     def add(self, slots: torch.Tensor, kv_head: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        first = self.keys.shape[0]
+        first = len(self)
         self.row_of[slots, kv_head] = torch.arange(first, first + slots.numel(), device=self.row_of.device)
+        self.skip[slots, kv_head] = True
+        self.slot = torch.cat((self.slot, slots.to(self.slot)))
+        self.kv_head = torch.cat((self.kv_head, torch.full_like(slots, kv_head, dtype=torch.int64)))
         self.keys = torch.cat((self.keys, k.to(self.keys)))
         self.values = torch.cat((self.values, v.to(self.values)))
 
@@ -81,13 +103,10 @@ class _RepairedSlots:
         rows = self.row_of[slots]
         mask = rows >= 0
         safe = rows.clamp_min(0)
-        if self.keys.shape[0] == 0:
+        if len(self) == 0:
             empty = torch.zeros(*rows.shape, self.keys.shape[1], dtype=self.keys.dtype, device=rows.device)
             return mask, empty, empty.clone()
         return mask, self.keys[safe], self.values[safe]
-
-    def any_in(self, slots: torch.Tensor) -> bool:
-        return bool((self.row_of[slots] >= 0).any())
 
 
 class WitcertLayer(CacheLayerMixin):
@@ -168,7 +187,6 @@ class WitcertCache(Cache):
         self.backup: dict[str, torch.Tensor] | None = None
         self.repaired: list[_RepairedSlots] = []
         self._returned: tuple[int, torch.Tensor] | None = None
-        self._repair_path_rows: dict[int, set[int]] = {}
         # Every layer of a decode step reads the same slots: build the page table once per (batch, length).
         self._page_table: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on);
@@ -305,13 +323,9 @@ class WitcertCache(Cache):
     def keys_read(self, layer: int, batch_index: int) -> torch.Tensor:
         """The keys ``[S, H_kv, D]`` (float32) the latest decode step of ``layer`` read for one row.
 
-        The kernel reads the dequantized pool; a row recomputed on the repair path read exact rows for
-        its repaired slots.
+        The dequantized pool, except exact rows at the repaired (slot, KV head) pairs (gate mode).
         """
-        length = self.layers[layer].length
-        if batch_index in self._repair_path_rows.get(layer, ()):
-            return self._read_back(layer, batch_index, length)[0]
-        return self.pool.dequantize(layer, self.slots(batch_index, length), "k")
+        return self._read_back(layer, batch_index, self.layers[layer].length)[0]
 
     # --- decode ----------------------------------------------------------------------------------
 
@@ -332,10 +346,13 @@ class WitcertCache(Cache):
     def decode(self, layer: int, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """Attention of one new token per sequence over the pool: ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``.
 
-        The fused kernel reads every row. In gate mode, rows where some head's certificate exceeds tau
-        are recomputed on the repair path (exact rows for slots repaired earlier, more blocks paged in
-        as needed); a row whose kernel certificate is within tau keeps the kernel's result, which that
-        certificate covers, even if the row holds repaired slots.
+        The fused kernel reads every row. In gate mode it skips the (slot, KV head) pairs repaired at
+        earlier steps; the exact part over those pairs is computed for the whole batch in torch and
+        merged with the kernel's part, certificate included (``gating.merge_exact``). Rows where some
+        head's merged certificate exceeds tau are recomputed on the repair path
+        (``gating.certified_decode``: more blocks paged in until every head of the row is within tau);
+        their new pairs join the skip mask, so later steps read them through the kernel and the merge.
+        Gate mode syncs with the host once per layer (to find those rows); observe and off modes never.
         """
         self._returned = None
         batch, num_q_heads, _ = query.shape
@@ -343,6 +360,7 @@ class WitcertCache(Cache):
         mode = self.policy.mode
         q = query.to(self.cache_dtype).contiguous()
         kv_indptr, kv_indices = self._page_table_for(batch, length)
+        store = self.repaired[layer] if mode is GateMode.GATE else None
         result = decode_attention(
             q,
             self.pool,
@@ -352,6 +370,7 @@ class WitcertCache(Cache):
             sm_scale=sm_scale,
             delta_step=self.delta,
             certificate=mode is not GateMode.OFF,
+            skip=None if store is None else store.skip,
         )
         out, certificate = result.out, result.certificate
         if layer == 0:
@@ -360,15 +379,27 @@ class WitcertCache(Cache):
             return out
         fallback = repaired = None
         if mode is GateMode.GATE:
+            if len(store):
+                exact = exact_attention(
+                    q,
+                    store.keys,
+                    store.values,
+                    store.slot // self.max_cache_len,
+                    store.kv_head,
+                    num_kv_heads=self.kv_heads,
+                    sm_scale=sm_scale,
+                )
+                accumulators = reference.CertificateAccumulators(
+                    result.a1_rest, result.b_rest, result.p_max, result.u_max
+                )
+                merged = merge_exact(out, result.lse, accumulators, certificate, exact)
+                out, certificate = merged.out, merged.certificate
             fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
             repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
             over_rows = (~(certificate <= self.policy.tau)).any(-1).nonzero().squeeze(-1).tolist()
-            self._repair_path_rows[layer] = set(over_rows)
             if over_rows and bool(certificate[over_rows].isnan().any()):
                 # The repair path recomputes these rows in torch, so the aggregator never sees this NaN.
-                _log.error(
-                    "decode kernel returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows
-                )
+                _log.error("decode returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows)
             for b in over_rows:
                 row = self._repair_row(layer, b, length, q[b], sm_scale)
                 out[b], certificate[b], fallback[b], repaired[b] = (

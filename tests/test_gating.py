@@ -1,4 +1,5 @@
-"""Gating (THEORY.md section 5): every certificate ends <= tau, and only what must be repaired is."""
+"""Gating (THEORY.md section 6): every certificate ends <= tau, only what must be repaired is, and repaired
+pairs are read exactly through the kernel + merge path afterwards."""
 
 from __future__ import annotations
 
@@ -7,12 +8,22 @@ import math
 import pytest
 import torch
 from generation import greedy_generate
+from transformers import LlamaConfig
 
+from witcert.integrations import transformers_cache
 from witcert.integrations.aggregator import CertificateAggregator
-from witcert.integrations.gating import CachePolicy, GateMode, block_shares, certified_decode
+from witcert.integrations.gating import (
+    CachePolicy,
+    ExactPart,
+    GateMode,
+    block_shares,
+    certified_decode,
+    exact_attention,
+    merge_exact,
+)
 from witcert.integrations.quality import random_model
 from witcert.integrations.transformers_cache import WitcertCache, use_witcert_attention
-from witcert.kernels import reference
+from witcert.kernels import KVPool, decode_attention, reference
 
 H_Q, H_KV, D, S, BLOCK = 4, 2, 64, 96, 16
 SM_SCALE = D**-0.5
@@ -179,3 +190,164 @@ def test_policy_rejects_bad_knobs():
         with pytest.raises(ValueError):
             CachePolicy(**bad)
     assert CachePolicy(mode="gate").mode is GateMode.GATE
+
+
+def _mixed_oracle(q, pool, keys, values, skip, rows, length):
+    """float64 attention over mixed keys: exact K/V at the skipped pairs (radius 0), dequantized elsewhere."""
+    kv_of_q = torch.arange(H_Q) // (H_Q // H_KV)
+    outs, lses, certificates, exact_argmax = [], [], [], []
+    for b in range(rows):
+        slots = torch.arange(b * length, (b + 1) * length)
+        exact = skip[slots]  # [S, H_kv]
+        k_mix = torch.where(exact[..., None], keys[slots].double(), pool.dequantize(0, slots, "k", torch.float64))
+        v_mix = torch.where(exact[..., None], values[slots].double(), pool.dequantize(0, slots, "v", torch.float64))
+        q64 = q[b].double()
+        logits = SM_SCALE * torch.einsum("hd,shd->hs", q64, k_mix[:, kv_of_q])
+        probs = torch.softmax(logits, dim=-1)
+        radius = reference.logit_radius(
+            q64, pool.quantized(0, slots, "k"), sm_scale=SM_SCALE, delta=DELTA, kv_head_of_query=kv_of_q
+        ).masked_fill(exact.T[kv_of_q], 0.0)
+        outs.append(torch.einsum("hs,shd->hd", probs, v_mix[:, kv_of_q]))
+        lses.append(torch.logsumexp(logits, dim=-1))
+        certificates.append(reference.accumulate_certificate(probs, radius).certificate)
+        exact_argmax.append(exact.T[kv_of_q].gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1))
+    return torch.stack(outs), torch.stack(lses), torch.stack(certificates), torch.stack(exact_argmax)
+
+
+def test_kernel_plus_exact_merge_equals_attention_over_mixed_keys():
+    rows, length = 3, 48
+    generator = torch.Generator().manual_seed(7)
+    q = (3.0 * torch.randn(rows, H_Q, D, generator=generator)).to(torch.float16)
+    keys = torch.randn(rows * length, H_KV, D, generator=generator).to(torch.float16)
+    values = torch.randn(rows * length, H_KV, D, generator=generator).to(torch.float16)
+    skip = torch.rand(rows * length, H_KV, generator=generator) < 0.3
+    skip[:length, 0] = True  # row 0, KV head 0: every token repaired (no quantized token read)
+    skip[length : 2 * length, 1] = False  # row 1, KV head 1: nothing repaired (the kernel's values stand)
+    # Row 2, query head 0: its largest logit sits on a repaired token.
+    skip[2 * length + 5, 0] = True
+    keys[2 * length + 5, 0] = (2.0 * D**0.5 * q[2, 0].float() / q[2, 0].float().norm()).to(torch.float16)
+    pool = KVPool(rows * length, 1, H_KV, D, seed=11)
+    slots = torch.arange(rows * length)
+    pool.write(0, slots, keys, values)
+
+    indptr = torch.arange(rows + 1) * length
+    kernel = decode_attention(q, pool, 0, indptr, slots, sm_scale=SM_SCALE, delta_step=DELTA, skip=skip)
+    pair_slot, pair_head = skip.nonzero(as_tuple=True)
+    exact = exact_attention(
+        q,
+        keys[pair_slot, pair_head],
+        values[pair_slot, pair_head],
+        pair_slot // length,
+        pair_head,
+        num_kv_heads=H_KV,
+        sm_scale=SM_SCALE,
+    )
+    accumulators = reference.CertificateAccumulators(kernel.a1_rest, kernel.b_rest, kernel.p_max, kernel.u_max)
+    merged = merge_exact(kernel.out, kernel.lse, accumulators, kernel.certificate, exact)
+
+    out, lse, certificate, exact_argmax = _mixed_oracle(q, pool, keys, values, skip, rows, length)
+    torch.testing.assert_close(merged.out.double(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(merged.lse.double(), lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged.certificate.double(), certificate, rtol=1e-4, atol=0.0)
+    # The cases the merge distinguishes all occur, each with a certificate that is not trivially zero.
+    only_exact = torch.zeros(rows, H_Q, dtype=torch.bool)
+    only_exact[0, : H_Q // H_KV] = True
+    assert bool((merged.certificate[only_exact] == 0).all())
+    assert bool(exact_argmax[2, 0]) and bool((certificate[exact_argmax & ~only_exact] > 0).all())
+    assert bool((~exact_argmax).any())
+    no_exact = torch.zeros(rows, H_Q, dtype=torch.bool)
+    no_exact[1, H_Q // H_KV :] = True
+    assert torch.equal(merged.certificate[no_exact], kernel.certificate[no_exact])
+    assert torch.equal(merged.out[no_exact], kernel.out[no_exact])
+
+
+def test_merge_of_an_overflowed_accumulator_is_inf_never_nan():
+    shape = (1, 2)
+    zero, one = torch.zeros(shape), torch.ones(shape)
+    # Head 0: the exact part holds the argmax, so the kernel's overflowed argmax term joins the rest sums.
+    # Head 1: the kernel's part holds it, and its rest sum overflowed.
+    accumulators = reference.CertificateAccumulators(
+        a1_rest=torch.tensor([[0.1, math.inf]]),
+        b_rest=torch.tensor([[0.01, math.inf]]),
+        p_max=torch.tensor([[0.5, 0.5]]),
+        u_max=torch.tensor([[1e4, 0.1]]),
+    )
+    exact = ExactPart(
+        out=torch.zeros(1, 2, 3), lse=zero.clone(), max_logit=torch.tensor([[5.0, -5.0]]), p_max=one.clone()
+    )
+    merged = merge_exact(torch.zeros(1, 2, 3), zero.clone(), accumulators, zero.clone(), exact)
+    assert torch.equal(merged.certificate, torch.full(shape, math.inf))
+
+
+def _cache_inputs(seed: int = 0):
+    config = LlamaConfig(
+        vocab_size=16, hidden_size=H_Q * D, num_hidden_layers=1, num_attention_heads=H_Q, num_key_value_heads=H_KV
+    )
+    generator = torch.Generator().manual_seed(seed)
+    batch = 3
+    keys = torch.randn(batch, H_KV, S, D, generator=generator)
+    values = torch.randn(batch, H_KV, S, D, generator=generator)
+    query = 4.0 * torch.randn(batch, H_Q, D, generator=generator)
+    return config, keys, values, query
+
+
+def test_repaired_rows_are_read_through_the_kernel_and_merge_at_the_next_step(monkeypatch):
+    config, keys, values, query = _cache_inputs()
+    observe = WitcertCache(config, CachePolicy(mode="observe"), max_cache_len=S)
+    observe.layers[0].update(keys, values)
+    observed = []
+    observe.audit = lambda cache, layer, q, certificate, sm: observed.append(certificate.clone())
+    observe.decode(0, query, SM_SCALE)
+    tau = float(observed[0].median())  # about half the heads must be repaired
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["tau"])
+        return certified_decode(*args, **kwargs)
+
+    monkeypatch.setattr(transformers_cache, "certified_decode", counting)
+    aggregator = CertificateAggregator(1, H_Q, tau=tau, stride=1, device="cpu")
+    cache = WitcertCache(config, CachePolicy(mode="gate", tau=tau), max_cache_len=S, observer=aggregator)
+    cache.layers[0].update(keys, values)
+    reported = []
+    cache.audit = lambda cache, layer, q, certificate, sm: reported.append(certificate.clone())
+    first = cache.decode(0, query, SM_SCALE)
+    repaired_rows, fallbacks, repaired_bytes = len(calls), int(cache.fallback_total), int(cache.repaired_bytes_total)
+    assert 0 < repaired_rows and fallbacks > 0 and len(cache.repaired[0]) > 0
+    assert bool(cache.repaired[0].skip.any())
+
+    second = cache.decode(0, query, SM_SCALE)  # the next step, same query: the kernel skips what was repaired
+    assert len(calls) == repaired_rows  # no row went to the per-row repair path again
+    assert bool((reported[1] <= tau).all())
+    torch.testing.assert_close(second, first, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(reported[1], reported[0], rtol=1e-4, atol=1e-7)
+    assert int(cache.fallback_total) == fallbacks and int(cache.repaired_bytes_total) == repaired_bytes
+    snapshot = aggregator.snapshot()
+    assert int(snapshot.fallbacks.sum()) == fallbacks and int(snapshot.repaired_bytes.sum()) == repaired_bytes
+    assert (snapshot.covered == snapshot.samples).all()
+
+
+def test_in_generation_the_repair_path_runs_only_to_page_in_something(monkeypatch):
+    model = random_model(layers=2, hidden=128, q_heads=4, kv_heads=2, head_dim=32, vocab=256, init_std=0.15)
+    use_witcert_attention(model)
+    prompt = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    decoded = []
+
+    def counting(*args, **kwargs):
+        decoded.append(certified_decode(*args, **kwargs))
+        return decoded[-1]
+
+    monkeypatch.setattr(transformers_cache, "certified_decode", counting)
+    reported = []
+    cache = WitcertCache(
+        model.config,
+        CachePolicy(mode="gate", tau=0.03),
+        max_cache_len=64,
+        audit=lambda cache, layer, q, certificate, sm: reported.append(certificate.clone()),
+    )
+    greedy_generate(model, prompt, cache, 9, min_new_tokens=9)
+    assert len(decoded) > 0
+    # A row reaches the repair path only when its merged certificate exceeds tau, so it always pages in.
+    assert all(bool(row.fallback.any()) for row in decoded)
+    assert bool((torch.cat(reported) <= 0.03).all())
