@@ -16,6 +16,7 @@ backend does not merge yet: it recomputes on it every row whose kernel certifica
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,13 +176,14 @@ def certified_decode(
 class ExactPart:
     """Attention over the exactly read (repaired) tokens alone: ``out`` ``[B, H_q, D]``, the rest ``[B, H_q]``.
 
-    A head with no such token has ``lse = max_logit = -inf``, ``out = 0`` and ``p_max = 0``.
+    A head with no such token has ``lse = max_logit = -inf``, ``out = 0`` and ``p_max = p_rest = 0``.
     """
 
     out: torch.Tensor
     lse: torch.Tensor  # natural log of sum_t exp(z_t) over the exact tokens
     max_logit: torch.Tensor  # m_e: the largest exact logit
     p_max: torch.Tensor  # exp(m_e - lse)
+    p_rest: torch.Tensor  # the other exact tokens' share, summed without cancellation (not 1 - p_max)
 
 
 def exact_attention(
@@ -215,6 +217,10 @@ def exact_attention(
     total = torch.zeros_like(max_logit).index_add_(0, segment, weights)
     weighted = torch.zeros(cells, group, head_dim, dtype=dtype, device=q.device)
     weighted.index_add_(0, segment, weights[:, :, None] * values.to(dtype)[:, None, :])
+    # The share of all but one largest token: every other weight, plus the ties of the largest (weight 1).
+    top = weights == 1.0
+    others = torch.zeros_like(max_logit).index_add_(0, segment, torch.where(top, 0.0, weights))
+    ties = torch.zeros_like(max_logit).index_add_(0, segment, top.to(dtype))
     live = total > 0
     safe_total = torch.where(live, total, 1.0)
     return ExactPart(
@@ -222,6 +228,7 @@ def exact_attention(
         lse=torch.where(live, max_logit + torch.log(safe_total), -math.inf).reshape(batch, num_q_heads),
         max_logit=max_logit.reshape(batch, num_q_heads),
         p_max=torch.where(live, 1.0 / safe_total, 0.0).reshape(batch, num_q_heads),
+        p_rest=torch.where(live, (others + (ties - 1.0).clamp_min(0.0)) / safe_total, 0.0).reshape(batch, num_q_heads),
     )
 
 
@@ -258,20 +265,31 @@ def merge_exact(
     out = w_q[..., None] * out_q + w_e[..., None] * exact.out
 
     zero = torch.zeros((), dtype=lse_q.dtype, device=lse_q.device)
-    a1_q = torch.where(q_live, accumulators.a1_rest, zero)
-    b_q = torch.where(q_live, accumulators.b_rest, zero)
-    p_max_q = torch.where(q_live, accumulators.p_max, zero)
-    u_max_q = torch.where(q_live, accumulators.u_max, zero)
+    kernel = reference.CertificateAccumulators(
+        *(torch.where(q_live, x, zero) for x in dataclasses.astuple(accumulators))
+    )
     # The kernel's argmax logit; the exact part holds the merged argmax when its largest logit is above it.
-    max_q = torch.where(q_live, lse_q + torch.log(p_max_q), -math.inf)
+    max_q = torch.where(q_live, lse_q + torch.log(kernel.p_max), -math.inf)
     exact_holds = e_live & (exact.max_logit > max_q)
-    # Exact argmax: the kernel's argmax token joins the rest sums.
-    a1_with_max = a1_q + reference._mul_nonneg(p_max_q, torch.expm1(u_max_q))
-    b_with_max = b_q + reference._mul_nonneg(p_max_q, reference.expm1_minus_x(u_max_q))
-    a1_rest = reference._mul_nonneg(w_q, torch.where(exact_holds, a1_with_max, a1_q))
-    b_rest = reference._mul_nonneg(w_q, torch.where(exact_holds, b_with_max, b_q))
-    p_max = torch.where(exact_holds, w_e * exact.p_max, w_q * p_max_q)
-    u_max = torch.where(exact_holds, zero, u_max_q)
-    merged = reference.certificate_from_accumulators(a1_rest, b_rest, p_max, u_max).certificate
+    # Exact argmax: the kernel's argmax token joins the rest sums, and the exact part's other tokens
+    # (radius 0) only add their mass. Kernel argmax: every exact token joins the rest with radius 0.
+    p_q, u_q = kernel.p_max, kernel.u_max
+    held = exact_holds
+    merged_acc = reference.CertificateAccumulators(
+        a1_rest=reference._mul_nonneg(
+            w_q, torch.where(held, kernel.a1_rest + reference._mul_nonneg(p_q, torch.expm1(u_q)), kernel.a1_rest)
+        ),
+        b_rest=reference._mul_nonneg(
+            w_q,
+            torch.where(held, kernel.b_rest + reference._mul_nonneg(p_q, reference.expm1_minus_x(u_q)), kernel.b_rest),
+        ),
+        u_rest=reference._mul_nonneg(
+            w_q, torch.where(held, kernel.u_rest + reference._mul_nonneg(p_q, u_q), kernel.u_rest)
+        ),
+        p_rest=torch.where(held, w_q * (kernel.p_rest + p_q) + w_e * exact.p_rest, w_q * kernel.p_rest + w_e),
+        p_max=torch.where(held, w_e * exact.p_max, w_q * p_q),
+        u_max=torch.where(held, zero, u_q),
+    )
+    merged = merged_acc.certificate
     certificate = torch.where(e_live, torch.where(q_live, merged, zero), certificate_q)
     return MergedDecode(out=out, lse=lse, certificate=certificate)

@@ -389,10 +389,7 @@ class WitcertCache(Cache):
                     num_kv_heads=self.kv_heads,
                     sm_scale=sm_scale,
                 )
-                accumulators = reference.CertificateAccumulators(
-                    result.a1_rest, result.b_rest, result.p_max, result.u_max
-                )
-                merged = merge_exact(out, result.lse, accumulators, certificate, exact)
+                merged = merge_exact(out, result.lse, result.accumulators, certificate, exact)
                 out, certificate = merged.out, merged.certificate
             fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
             repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)

@@ -46,18 +46,23 @@ _sm_count: dict[int, int] = {}
 class AttentionOutput:
     """``out`` ``[R, H_q, D]``, ``lse`` ``[R, H_q]``; with the certificate, its value and accumulators ``[R, H_q]``.
 
-    ``R`` is the batch for decode and the number of query tokens for extend. ``a1_rest``, ``b_rest``,
-    ``p_max``, ``u_max`` are ``reference.CertificateAccumulators``'s fields, merged over the splits.
+    ``R`` is the batch for decode and the number of query tokens for extend. ``accumulators`` holds
+    ``reference.CertificateAccumulators`` merged over the splits (``None`` without the certificate).
     """
 
     out: torch.Tensor
     lse: torch.Tensor
     certificate: torch.Tensor | None
-    a1_rest: torch.Tensor | None
-    b_rest: torch.Tensor | None
-    p_max: torch.Tensor | None
-    u_max: torch.Tensor | None
+    accumulators: reference.CertificateAccumulators | None
     path: Path
+
+
+# Rows of the stage-2 statistics: the certificate, then CertificateAccumulators' fields in order.
+_STATS = 7
+
+
+def _with_certificate(out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor, path: Path) -> AttentionOutput:
+    return AttentionOutput(out, lse, stats[0], reference.CertificateAccumulators(*stats[1:_STATS]), path)
 
 
 def _pow2(n: int) -> int:
@@ -143,11 +148,14 @@ def _run_triton(
     head_blocks = pool.kv_heads * -(-kv_group // block_h)
     device = q.device
     part_out = torch.empty(rows, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device)
-    part = torch.empty(5 if certificate else 1, rows, num_q_heads, num_kv_splits, dtype=torch.float32, device=device)
+    part = torch.empty(
+        _STATS if certificate else 1, rows, num_q_heads, num_kv_splits, dtype=torch.float32, device=device
+    )
     part_lse = part[0]
-    part_max, part_a1, part_b, part_u = (part[1], part[2], part[3], part[4]) if certificate else (part_lse,) * 4
+    # Per split: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
+    part_stats = tuple(part[1:_STATS]) if certificate else (part_lse,) * (_STATS - 1)
     lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
-    stats = torch.empty(5 if certificate else 1, rows, num_q_heads, dtype=torch.float32, device=device)
+    stats = torch.empty(_STATS if certificate else 1, rows, num_q_heads, dtype=torch.float32, device=device)
     q = q if q.stride(2) == 1 else q.contiguous()
     outliers = pool.num_outliers > 0
     kernels._decode_stage1[(rows, head_blocks, num_kv_splits)](
@@ -166,10 +174,7 @@ def _run_triton(
         kv_indices if skip is None else skip.view(torch.uint8),
         part_out,
         part_lse,
-        part_max,
-        part_a1,
-        part_b,
-        part_u,
+        *part_stats,
         pool.num_slots,
         kv_indices.numel(),
         q.stride(0),
@@ -198,17 +203,13 @@ def _run_triton(
         num_warps=LAUNCH.num_warps,
         num_stages=LAUNCH.num_stages,
     )
-    certificate_outputs = tuple(stats[i] for i in range(5)) if certificate else (stats[0],) * 5
     kernels._decode_stage2[(rows, num_q_heads)](
         part_out,
         part_lse,
-        part_max,
-        part_a1,
-        part_b,
-        part_u,
+        *part_stats,
         out,
         lse,
-        *certificate_outputs,
+        *(stats if certificate else (stats[0],) * _STATS),
         out.stride(0),
         out.stride(1),
         reference.CERTIFICATE_EVAL_SLACK,
@@ -220,8 +221,8 @@ def _run_triton(
     )
     path: Path = "triton-gpu" if device.type == "cuda" else "triton-interpreter"
     if not certificate:
-        return AttentionOutput(out, lse, None, None, None, None, None, path)
-    return AttentionOutput(out, lse, *certificate_outputs, path)
+        return AttentionOutput(out, lse, None, None, path)
+    return _with_certificate(out, lse, stats, path)
 
 
 def _run_reference(
@@ -241,7 +242,7 @@ def _run_reference(
     rows, num_q_heads, _ = q.shape
     device = q.device
     lse = torch.full((rows, num_q_heads), -math.inf, dtype=torch.float32, device=device)
-    stats = torch.zeros(5, rows, num_q_heads, dtype=torch.float32, device=device)
+    stats = torch.zeros(_STATS, rows, num_q_heads, dtype=torch.float32, device=device)
     out.zero_()
     for row in range(rows):
         start, length = int(kv_start[row]), int(kv_len[row])
@@ -260,10 +261,12 @@ def _run_reference(
         out[row] = result.out.to(out.dtype)
         lse[row] = result.lse
         acc = result.accumulators
-        stats[:, row] = torch.stack((result.certificate, acc.a1_rest, acc.b_rest, acc.p_max, acc.u_max))
+        stats[:, row] = torch.stack(
+            (result.certificate, acc.a1_rest, acc.b_rest, acc.u_rest, acc.p_rest, acc.p_max, acc.u_max)
+        )
     if not certificate:
-        return AttentionOutput(out, lse, None, None, None, None, None, "reference")
-    return AttentionOutput(out, lse, stats[0], stats[1], stats[2], stats[3], stats[4], "reference")
+        return AttentionOutput(out, lse, None, None, "reference")
+    return _with_certificate(out, lse, stats, "reference")
 
 
 def _dispatch(
@@ -497,17 +500,10 @@ def decode_attention_fp16(
     kernels._decode_stage2[(rows, num_q_heads)](
         part_out,
         part_lse,
-        part_lse,
-        part_lse,
-        part_lse,
-        part_lse,
+        *(part_lse,) * (_STATS - 1),
         out,
         lse,
-        lse,
-        lse,
-        lse,
-        lse,
-        lse,
+        *(lse,) * _STATS,
         out.stride(0),
         out.stride(1),
         1.0,

@@ -473,24 +473,28 @@ class CertificateTerms:
 
 
 def certificate_from_accumulators(
-    a1_rest: torch.Tensor, b_rest: torch.Tensor, p_max: torch.Tensor, u_max: torch.Tensor
+    a1_rest: torch.Tensor,
+    b_rest: torch.Tensor,
+    u_rest: torch.Tensor,
+    p_rest: torch.Tensor,
+    p_max: torch.Tensor,
+    u_max: torch.Tensor,
 ) -> CertificateTerms:
     """Evaluate T1, T4, P and PA (THEORY.md section 3) from the accumulators.
 
-    ``a1_rest = sum_{t != m} p~_t expm1(u_t)``, ``b_rest = sum_{t != m} p~_t g(u_t)``, and
-    ``(p_max, u_max) = (p~_m, u_m)`` at the kernel's argmax ``m``. Every term is a sum of
-    non-negative parts, so nothing cancels.
+    ``a1_rest = sum_{t != m} p~_t expm1(u_t)``, ``b_rest = sum_{t != m} p~_t g(u_t)``,
+    ``u_rest = sum_{t != m} p~_t u_t``, ``p_rest = sum_{t != m} p~_t`` and ``(p_max, u_max) = (p~_m, u_m)``
+    at the held-apart token ``m``. Each is a sum of non-negative terms and the formulas only add and
+    multiply them: nothing cancels. (``1 - p_max`` and ``a1_rest - b_rest`` would: near a sink token,
+    ``1 - p_max`` in float32 can be off by far more than the evaluation slack.)
     """
     e_m = torch.exp(u_max)
     expm1_m = torch.expm1(u_max)
     g_m = expm1_minus_x(u_max)
-    rest_mass = (1.0 - p_max).clamp_min(0.0)
     a1 = a1_rest + _mul_nonneg(p_max, expm1_m)
     b = b_rest + _mul_nonneg(p_max, g_m)
-    # sum_{t != m} p~_t u_t; inf - inf would be NaN: an overflowed A1 leaves it unknown, and +inf bounds it.
-    u_rest = torch.where(torch.isinf(a1_rest), a1_rest, (a1_rest - b_rest).clamp_min(0.0))
-    t4 = _mul_nonneg(e_m, a1_rest) + _mul_nonneg(expm1_m, rest_mass)
-    pa_inner = _mul_nonneg(e_m, b_rest) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, rest_mass)
+    t4 = _mul_nonneg(e_m, a1_rest) + _mul_nonneg(expm1_m, p_rest)
+    pa_inner = _mul_nonneg(e_m, b_rest) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, p_rest)
     return CertificateTerms(t1=a1, t4=t4, p=torch.sqrt(b / 2.0), pa=torch.sqrt(pa_inner / 2.0))
 
 
@@ -500,12 +504,16 @@ class CertificateAccumulators:
 
     a1_rest: torch.Tensor  # sum_{t != m} p~_t expm1(u_t)
     b_rest: torch.Tensor  # sum_{t != m} p~_t g(u_t)
+    u_rest: torch.Tensor  # sum_{t != m} p~_t u_t
+    p_rest: torch.Tensor  # sum_{t != m} p~_t
     p_max: torch.Tensor  # p~_m
     u_max: torch.Tensor  # u_m
 
     @property
     def terms(self) -> CertificateTerms:
-        return certificate_from_accumulators(self.a1_rest, self.b_rest, self.p_max, self.u_max)
+        return certificate_from_accumulators(
+            self.a1_rest, self.b_rest, self.u_rest, self.p_rest, self.p_max, self.u_max
+        )
 
     @property
     def certificate(self) -> torch.Tensor:
@@ -524,7 +532,9 @@ def accumulate_certificate(probs: torch.Tensor, radius: torch.Tensor) -> Certifi
     zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
     a1_rest = torch.where(not_max, _mul_nonneg(probs, torch.expm1(radius)), zero).sum(-1)
     b_rest = torch.where(not_max, _mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
-    return CertificateAccumulators(a1_rest=a1_rest, b_rest=b_rest, p_max=p_max, u_max=u_max)
+    u_rest = torch.where(not_max, _mul_nonneg(probs, radius), zero).sum(-1)
+    p_rest = torch.where(not_max, probs, zero).sum(-1)
+    return CertificateAccumulators(a1_rest, b_rest, u_rest, p_rest, p_max, u_max)
 
 
 @dataclass

@@ -373,6 +373,8 @@ def _decode_stage1(
     PartMax,
     PartA1,
     PartB,
+    PartURest,
+    PartPRest,
     PartU,
     num_slots,
     num_kv_indices,
@@ -445,8 +447,11 @@ def _decode_stage1(
         acc = tl.zeros((num_groups, BLOCK_H, GROUP_SIZE), tl.float32)
     else:
         acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
+    # The rest sums over t != m, each of non-negative terms (weights relative to the running max).
     a1_rest = tl.zeros((BLOCK_H,), tl.float32)
     b_rest = tl.zeros((BLOCK_H,), tl.float32)
+    u_rest = tl.zeros((BLOCK_H,), tl.float32)
+    w_rest = tl.zeros((BLOCK_H,), tl.float32)
     u_max = tl.zeros((BLOCK_H,), tl.float32)
     slots_ok = row_ok
     if HAS_OUTLIERS:
@@ -547,6 +552,8 @@ def _decode_stage1(
             rest = rest & (weights > 0)
             tile_a1 = tl.sum(tl.where(rest, weights * expm1_u, 0.0), axis=1)
             tile_b = tl.sum(tl.where(rest, weights * g_u, 0.0), axis=1)
+            tile_u = tl.sum(tl.where(rest, weights * radius, 0.0), axis=1)
+            tile_w = tl.sum(tl.where(rest, weights, 0.0), axis=1)
             weight_arg = tl.exp(tile_max - shift)
             expm1_old, g_old = _expm1_and_g(u_max)
             # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
@@ -561,6 +568,13 @@ def _decode_stage1(
                 + tile_b
                 + tl.where(moved, _mul_nonneg(alpha, g_old), _mul_nonneg(weight_arg, g_arg))
             )
+            u_rest = (
+                _mul_nonneg(u_rest, alpha)
+                + tile_u
+                + tl.where(moved, _mul_nonneg(alpha, u_max), _mul_nonneg(weight_arg, u_arg))
+            )
+            # The old argmax token weighs alpha in the new frame; a non-moving tile's argmax weighs weight_arg.
+            w_rest = w_rest * alpha + tile_w + tl.where(moved, alpha, weight_arg)
             u_max = tl.where(moved, u_arg, u_max)
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0)
@@ -629,6 +643,8 @@ def _decode_stage1(
         tl.store(PartMax + part_row, running_max + poison, mask=head_ok)
         tl.store(PartA1 + part_row, a1_rest / safe_sum + poison, mask=head_ok)
         tl.store(PartB + part_row, b_rest / safe_sum + poison, mask=head_ok)
+        tl.store(PartURest + part_row, u_rest / safe_sum + poison, mask=head_ok)
+        tl.store(PartPRest + part_row, w_rest / safe_sum + poison, mask=head_ok)
         tl.store(PartU + part_row, u_max + poison, mask=head_ok)
 
 
@@ -639,12 +655,16 @@ def _decode_stage2(
     PartMax,
     PartA1,
     PartB,
+    PartURest,
+    PartPRest,
     PartU,
     Out,
     Lse,
     Certificate,
     A1Rest,
     BRest,
+    URest,
+    PRest,
     PMax,
     UMax,
     stride_ob,
@@ -682,6 +702,8 @@ def _decode_stage2(
         split_max = tl.load(PartMax + part, mask=split_ok, other=-_FP32_INF)
         a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
         b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
+        u_rest_parts = tl.load(PartURest + part, mask=split_ok, other=0.0)
+        p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
         u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
         live = split_ok & (lse > -_FP32_INF)
         winner = tl.argmax(tl.where(live, split_max, -_FP32_INF), axis=0, tie_break_left=True)
@@ -694,6 +716,10 @@ def _decode_stage2(
         a1 += tl.sum(tl.where(live & ~is_winner, _mul_nonneg(p_arg, expm1_parts), 0.0), axis=0)
         b = tl.sum(tl.where(live, _mul_nonneg(norm, b_parts), 0.0), axis=0)
         b += tl.sum(tl.where(live & ~is_winner, _mul_nonneg(p_arg, g_parts), 0.0), axis=0)
+        u_rest = tl.sum(tl.where(live, _mul_nonneg(norm, u_rest_parts), 0.0), axis=0)
+        u_rest += tl.sum(tl.where(live & ~is_winner, _mul_nonneg(p_arg, u_parts), 0.0), axis=0)
+        p_rest = tl.sum(tl.where(live, norm * p_rest_parts, 0.0), axis=0)
+        p_rest += tl.sum(tl.where(live & ~is_winner, p_arg, 0.0), axis=0)
         p_max = tl.sum(tl.where(is_winner & live, p_arg, 0.0), axis=0)
         u_max = tl.sum(tl.where(is_winner & live, u_parts, 0.0), axis=0)
         nan_in = (tl.sum(tl.where(split_ok & (lse != lse), 1, 0), axis=0) > 0) | (weight_sum != weight_sum)
@@ -701,19 +727,18 @@ def _decode_stage2(
 
         e_m = tl.exp(u_max)
         expm1_m, g_m = _expm1_and_g(u_max)
-        rest_mass = tl.maximum(1.0 - p_max, 0.0)
         t1 = a1 + _mul_nonneg(p_max, expm1_m)
         b_total = b + _mul_nonneg(p_max, g_m)
-        # sum_{t != m} p~_t u_t; +inf when its parts overflowed (a bound, where inf - inf would be NaN).
-        u_rest = tl.where(a1 == _FP32_INF, _FP32_INF, tl.maximum(a1 - b, 0.0))
-        t4 = _mul_nonneg(e_m, a1) + _mul_nonneg(expm1_m, rest_mass)
-        pa_inner = _mul_nonneg(e_m, b) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, rest_mass)
+        t4 = _mul_nonneg(e_m, a1) + _mul_nonneg(expm1_m, p_rest)
+        pa_inner = _mul_nonneg(e_m, b) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, p_rest)
         bound = tl.minimum(tl.minimum(t1, t4), tl.minimum(tl.sqrt(b_total / 2.0), tl.sqrt(pa_inner / 2.0)))
         bound = tl.where(has_tokens, bound * eval_slack, 0.0) + poison
         index = row * NUM_Q_HEADS + head
         tl.store(Certificate + index, bound)
         tl.store(A1Rest + index, a1 + poison)
         tl.store(BRest + index, b + poison)
+        tl.store(URest + index, u_rest + poison)
+        tl.store(PRest + index, p_rest + poison)
         tl.store(PMax + index, p_max + poison)
         tl.store(UMax + index, u_max + poison)
 

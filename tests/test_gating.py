@@ -242,8 +242,7 @@ def test_kernel_plus_exact_merge_equals_attention_over_mixed_keys():
         num_kv_heads=H_KV,
         sm_scale=SM_SCALE,
     )
-    accumulators = reference.CertificateAccumulators(kernel.a1_rest, kernel.b_rest, kernel.p_max, kernel.u_max)
-    merged = merge_exact(kernel.out, kernel.lse, accumulators, kernel.certificate, exact)
+    merged = merge_exact(kernel.out, kernel.lse, kernel.accumulators, kernel.certificate, exact)
 
     out, lse, certificate, exact_argmax = _mixed_oracle(q, pool, keys, values, skip, rows, length)
     torch.testing.assert_close(merged.out.double(), out, rtol=1e-4, atol=1e-5)
@@ -269,12 +268,15 @@ def test_merge_of_an_overflowed_accumulator_is_inf_never_nan():
     accumulators = reference.CertificateAccumulators(
         a1_rest=torch.tensor([[0.1, math.inf]]),
         b_rest=torch.tensor([[0.01, math.inf]]),
+        u_rest=torch.tensor([[0.05, math.inf]]),
+        p_rest=torch.tensor([[0.5, 0.5]]),
         p_max=torch.tensor([[0.5, 0.5]]),
         u_max=torch.tensor([[1e4, 0.1]]),
     )
     exact = ExactPart(
-        out=torch.zeros(1, 2, 3), lse=zero.clone(), max_logit=torch.tensor([[5.0, -5.0]]), p_max=one.clone()
-    )
+        out=torch.zeros(1, 2, 3), lse=zero.clone(), max_logit=torch.tensor([[5.0, -5.0]]), p_max=one.clone(),
+        p_rest=zero.clone(),
+    )  # fmt: skip
     merged = merge_exact(torch.zeros(1, 2, 3), zero.clone(), accumulators, zero.clone(), exact)
     assert torch.equal(merged.certificate, torch.full(shape, math.inf))
 

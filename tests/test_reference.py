@@ -246,6 +246,22 @@ def test_each_refinement_beats_t1_somewhere():
         assert bool((getattr(terms, name) < terms.t1).any()), name
 
 
+def test_float32_certificate_near_a_sink_token_still_bounds_the_exact_evaluation():
+    # One token holds all but ~1e-6 of the attention: 1 - p_max in float32 would be off by several percent,
+    # far beyond the evaluation slack; the rest mass is summed instead, so float32 plus the slack bounds the
+    # float64 evaluation of the same accumulators.
+    generator = torch.Generator().manual_seed(3)
+    logits = 0.5 * torch.randn(64, 200, generator=generator, dtype=torch.float64)
+    logits[:, 0] += 18.0 + 2.0 * torch.rand(64, generator=generator, dtype=torch.float64)
+    probs = torch.softmax(logits, -1)
+    radius = 0.02 + 0.05 * torch.rand(64, 200, generator=generator, dtype=torch.float64)
+    exact = ref.accumulate_certificate(probs, radius).terms
+    single = ref.accumulate_certificate(probs.float(), radius.float()).terms
+    assert float((1.0 - probs[:, 0]).max()) < 1e-5  # the sink regime
+    assert bool((single.certificate.double() >= torch.minimum(exact.t4, exact.pa)).all())
+    assert bool((single.certificate.double() >= exact.certificate / ref.CERTIFICATE_EVAL_SLACK).all())
+
+
 def test_overflowing_radius_gives_inf_never_nan():
     probs = torch.tensor([[0.9, 0.1, 0.0]], dtype=torch.float32)
     radius = torch.tensor([[200.0, 1.0, 500.0]], dtype=torch.float32)

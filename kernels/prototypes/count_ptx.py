@@ -31,8 +31,9 @@ from triton.compiler import ASTSource
 _INSTRUCTION = re.compile(r"\s+(?:@!?%p\d+\s+)?([a-z][\w.]*)")
 _POINTERS = dict(
     Q="fp16", KCodes="i8", KScales="fp16", KOutliers="fp16", VCodes="i8", VScales="fp16", VOutliers="fp16",
-    OutlierIndex="i32", OutlierChannels="i32", KvStart="i32", KvLen="i32", KvIndices="i32", PartOut="fp32",
-    PartLse="fp32", PartMax="fp32", PartA1="fp32", PartB="fp32", PartU="fp32",
+    OutlierIndex="i32", OutlierChannels="i32", KvStart="i32", KvLen="i32", KvIndices="i32", Skip="i8",
+    PartOut="fp32", PartLse="fp32", PartMax="fp32", PartA1="fp32", PartB="fp32", PartURest="fp32", PartPRest="fp32",
+    PartU="fp32",
 )  # fmt: skip
 _SCALARS = dict(
     num_slots="i32", num_kv_indices="i32", stride_qb="i32", stride_qh="i32", sm_scale="fp32",
