@@ -137,20 +137,28 @@ def bench_write(tokens: int = 2**20) -> dict:
     }
 
 
-SWEEP = [LaunchConfig(64, 4, 2), LaunchConfig(128, 4, 2), LaunchConfig(128, 8, 2), LaunchConfig(64, 8, 2)]
+SWEEP = [
+    LaunchConfig(128, 4, 2),
+    LaunchConfig(128, 4, 1),
+    LaunchConfig(64, 4, 1),
+    LaunchConfig(128, 8, 1),
+    LaunchConfig(256, 8, 1),
+    LaunchConfig(128, 4, 2, maxnreg=168),
+    LaunchConfig(128, 4, 1, maxnreg=168),
+]
 
 
 def sweep_launch(delta: float) -> list[dict]:
     """Time the int8 kernel with certificate at B=32, S=16k for each launch config; keep the fastest."""
     rows = []
     for config in SWEEP:
-        LAUNCH.block_n, LAUNCH.num_warps, LAUNCH.num_stages = config.block_n, config.num_warps, config.num_stages
+        LAUNCH.__dict__.update(config.__dict__)
         row = bench_decode(32, 16384, False, delta)
         rows.append({"config": config.__dict__, **row})
         print(f"sweep {config}: " + " ".join(f"{k}={v.get('ms', float('nan')):.4f}" for k, v in row.items()
                                              if isinstance(v, dict)), flush=True)  # fmt: skip
     best = min(rows, key=lambda r: r["int8_cert"].get("ms", math.inf))["config"]
-    LAUNCH.block_n, LAUNCH.num_warps, LAUNCH.num_stages = best["block_n"], best["num_warps"], best["num_stages"]
+    LAUNCH.__dict__.update(best)
     return rows
 
 

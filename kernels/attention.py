@@ -35,6 +35,8 @@ class LaunchConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    # A register cap for the int8 kernel (ptxas .maxnreg): more programs per SM against spills.
+    maxnreg: int | None = None
 
 
 # Module-level so an engine (or the benchmark) can retune once; read at every launch.
@@ -202,6 +204,7 @@ def _run_triton(
         INTERPRETED=device.type != "cuda",
         num_warps=LAUNCH.num_warps,
         num_stages=LAUNCH.num_stages,
+        **({"maxnreg": LAUNCH.maxnreg} if LAUNCH.maxnreg and device.type == "cuda" else {}),
     )
     kernels._decode_stage2[(rows, num_q_heads)](
         part_out,

@@ -41,7 +41,7 @@ class KVPool:
         outlier_channels: torch.Tensor | None = None,
         seed: int = 0,
         dither_bits: int = 8,
-        v_dither: bool = True,
+        v_dither: bool = False,
         page_size: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float16,

@@ -471,6 +471,8 @@ def _decode_stage1(
         slots_ok = slots_ok & (tl.sum((token_ok & ~slot_in_range).to(tl.int32), axis=0) == 0)
         token_ok = token_ok & slot_in_range
         slots = tl.where(token_ok, slots, 0)
+        # Every slot is in range from here on (a masked-off token reads slot 0), so the K/V loads below
+        # need no mask: such tokens get logit -inf, radius 0 and weight 0, and codes and scales are finite.
         base = slots * NUM_KV_HEADS + kv_head
         if HAS_SKIP:
             token_ok = token_ok & (tl.load(Skip + base, mask=token_ok, other=1) == 0)
@@ -479,14 +481,10 @@ def _decode_stage1(
         logits = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         sigma_sq = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         bias = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
-        k_scales = tl.load(
-            KScales + base[:, None] * num_groups + groups[None, :], mask=token_ok[:, None], other=0.0
-        ).to(tl.float32)  # [N, NG]
+        k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
-            codes_g = tl.load(
-                KCodes + base[:, None] * HEAD_DIM + group_channels[None, :], mask=token_ok[:, None], other=0
-            )
+            codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
             # The decode kernels run 8-bit dithers only (attention.py sends wider ones to the reference).
             if q_dtype == tl.float16 and not INTERPRETED:
                 neg_xi_g = _neg_xi8_fp16(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
@@ -577,8 +575,8 @@ def _decode_stage1(
             w_rest = w_rest * alpha + tile_w + tl.where(moved, alpha, weight_arg)
             u_max = tl.where(moved, u_arg, u_max)
 
-        v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0)
-        v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :], mask=token_ok[:, None], other=0.0)
+        v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
+        v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :])
         if V_DITHER:
             # Output: sum_t p_t s_t (code_t - xi_t), one batched dot over the groups: [NG, H, N] weights
             # (p~ times the group's scale, split into three exact bf16 terms) by [NG, N, G] operands.
