@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--quality-steps", type=int, default=12)
     parser.add_argument("--tau", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.json"))
+    parser.add_argument(
+        "--modes", nargs="+", default=["fp16", *GateMode], help="cache modes to time (fp16 is the baseline)"
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -135,6 +138,8 @@ def main() -> None:
     modes = {"fp16": lambda: (DynamicCache(config=model.config), None)}
     modes.update({mode.value: witcert(mode) for mode in GateMode})
     for name, make in modes.items():
+        if name not in args.modes:
+            continue
         try:
             report["decode"][name] = time_decode(model, prompt, make, args.steps, args.warmup, args.budget_s)
         except Exception:  # a failing mode must not hide the others' figures
@@ -146,8 +151,8 @@ def main() -> None:
             result["overhead_vs_fp16"] = result["ms_per_step"] / baseline - 1
 
     first = prompt[:1, : min(args.prompt, 1024)]
-    continuation = greedy_continuation(model, first, args.quality_steps)
-    for mode in (GateMode.OBSERVE, GateMode.GATE):
+    continuation = greedy_continuation(model, first, args.quality_steps) if args.quality_steps else None
+    for mode in (GateMode.OBSERVE, GateMode.GATE) if args.quality_steps else ():
         try:
             quality = teacher_forced_quality(model, first, continuation, CachePolicy(mode=mode, tau=args.tau))
             report["quality"][mode.value] = quality.as_dict()
