@@ -20,6 +20,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# The nearest-V decode forms scale * code in fp16 (docs/KERNELS.md): scales up to 515.5, times 127.
+NEAREST_V_MAX = 65_000.0
+
+
 class KVPool:
     """A paged, dither-quantized KV cache for ``num_layers`` layers and ``num_slots`` token slots.
 
@@ -160,8 +164,14 @@ class KVPool:
             for name, x in (("k", k), ("v", v)):
                 if not bool(torch.isfinite(x).all()):
                     raise ValueError(f"{name} contains NaN or inf: a quantized cache cannot represent it")
-                if float(x.abs().max()) / reference.SCALE_DIVISOR > torch.finfo(torch.float16).max:
+                largest = float(x.abs().max())
+                if largest / reference.SCALE_DIVISOR > torch.finfo(torch.float16).max:
                     raise ValueError(f"|{name}| exceeds what an fp16 group scale can cover (max about 8.28e6)")
+                if name == "v" and not self.v_dither and largest > NEAREST_V_MAX:
+                    raise ValueError(
+                        f"|v| reaches {largest:.4g}: a V rounded to nearest is decoded through fp16 products "
+                        f"scale * code, which hold |v| up to {NEAREST_V_MAX:g}; use v_dither=True for larger values"
+                    )
         else:
             slots = torch.as_tensor(slots, device=self.device)
         if k.shape[0] == 0:

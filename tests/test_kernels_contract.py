@@ -277,6 +277,26 @@ def test_bad_inputs_raise_clear_errors():
         pool.write(1, torch.tensor([0, 1]), k[:, :1], k[:, :1])
 
 
+def test_nearest_v_near_the_fp16_range_decodes_exactly_and_beyond_it_is_refused():
+    # V rounded to nearest is decoded through fp16 products scale * code (docs/KERNELS.md).
+    generator = torch.Generator().manual_seed(9)
+    pool = KVPool(64, 1, 2, 128, dtype=torch.bfloat16, device="cpu")
+    assert not pool.v_dither
+    slots = torch.randperm(64, generator=generator)[:40]
+    k = torch.randn(40, 2, 128, generator=generator).bfloat16()
+    v = (torch.randn(40, 2, 128, generator=generator) * 20000.0).clamp(-64000.0, 64000.0).bfloat16()
+    pool.write(0, slots, k, v)
+    q = torch.randn(1, 4, 128, generator=generator).bfloat16()
+    result = decode_attention(q, pool, 0, torch.tensor([0, 40]), slots, delta_step=DELTA, num_kv_splits=2)
+    expected = oracle(q[0], pool, 0, slots, delta=DELTA)
+    assert torch.isfinite(result.out).all()
+    assert relative_error(result.out[0], expected.out) < 1e-5
+    with pytest.raises(ValueError, match="v_dither=True"):
+        pool.write(0, slots, k, v * 2.0)
+    dithered = KVPool(64, 1, 2, 128, dtype=torch.bfloat16, v_dither=True, device="cpu")
+    dithered.write(0, slots, k, v * 2.0)  # the dithered-V path has bf16 operands: no such limit
+
+
 def test_unvalidated_write_skips_out_of_range_slots():
     pool = KVPool(32, 1, 2, 128, device="cpu")
     k = torch.randn(3, 2, 128, generator=torch.Generator().manual_seed(4)).half()
