@@ -3,8 +3,9 @@ fused kernel's result with the exact part over repaired tokens (THEORY.md sectio
 
 A head whose certificate exceeds ``tau`` is repaired: the bound decomposes over tokens
 (``A1 = sum_t p~_t expm1(u_t)``), exact tokens have ``u_t = 0``, so paging in a block of exact K/V
-removes that block's share. Blocks are paged in by decreasing share and the head is recomputed after
-each one, stopping as soon as its certificate is ``<= tau`` (``certified_decode``). Repaired
+removes that block's share. ``certified_decode`` repairs in rounds: each round pages in, for every KV head
+read by a head above ``tau``, its blocks of largest share (1, 1, 2, 4, ...: as many as it already has),
+all in one fetch, then recomputes the certificates once, until none exceeds ``tau``. Repaired
 (slot, KV head) pairs are handed back to the caller to keep: a request pays for each slot at most once.
 
 Later steps read those pairs exactly without the per-row path: the fused kernel skips them, the exact
@@ -61,8 +62,9 @@ class CachePolicy(BaseModel):
         return reference.delta_step(num_layers, num_q_heads, delta_req=self.delta_req, horizon=self.horizon)
 
 
-ExactFetch = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-"""``fetch(positions, kv_head) -> (k, v)``: exact rows ``[n, D]`` of one sequence, from the host backup."""
+ExactFetch = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``fetch(positions, kv_heads) -> (k, v)``: the exact rows ``[n, D]`` of one sequence's (token, KV head) pairs
+``(positions[i], kv_heads[i])``, from the host backup: one call per repair round."""
 
 
 @dataclass
@@ -71,20 +73,38 @@ class SequenceDecode:
 
     out: torch.Tensor  # [H_q, D] float32
     certificate: torch.Tensor  # [H_q] float32, after any repair
-    fallback: torch.Tensor  # [H_q] bool: this head triggered a repair
+    fallback: torch.Tensor  # [H_q] bool: this head was above tau at the start of some repair round
     repaired_bytes: torch.Tensor  # [H_q] int64: bytes paged in on this head's behalf
-    repaired_positions: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]  # (kv_head, positions, k, v)
+    # One entry per repair round: (positions [n], kv_heads [n], k [n, D], v [n, D]) of the pairs paged in.
+    repaired_positions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def block_shares(
     probs: torch.Tensor, radius: torch.Tensor, block_of_position: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
-    """Each block's share ``sum_{t in block} p~_t expm1(u_t)`` of T1 for one head: ``[num_blocks]``.
+    """Each block's share ``sum_{t in block} p~_t expm1(u_t)`` of T1, per head: ``[..., S]`` -> ``[..., num_blocks]``.
 
     An overflowed term (``0 * inf``) counts as +inf: such a block must be paged in first.
     """
     terms = torch.nan_to_num(probs * torch.expm1(radius), nan=math.inf)
-    return torch.zeros(num_blocks, dtype=terms.dtype, device=terms.device).index_add_(0, block_of_position, terms)
+    shares = torch.zeros(*terms.shape[:-1], num_blocks, dtype=terms.dtype, device=terms.device)
+    return shares.index_add_(-1, block_of_position, terms)
+
+
+def _largest_pending(
+    shares: torch.Tensor,
+    budget: torch.Tensor,
+    exact_mask: torch.Tensor,
+    block_of_position: torch.Tensor,
+    num_blocks: int,
+) -> torch.Tensor:
+    """``[H_kv, num_blocks]``: for each KV head, its ``budget`` blocks of largest ``shares`` that still hold a
+    quantized token (fewer if fewer are left). Ties go to the lower block, as ``argmax`` would pick."""
+    pending = torch.zeros(exact_mask.shape[1], num_blocks, dtype=torch.int64, device=shares.device)
+    pending = pending.index_add_(1, block_of_position, (~exact_mask).T.to(torch.int64)) > 0
+    order = torch.where(pending, shares, -1.0).argsort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(num_blocks, device=shares.device)
+    return torch.zeros_like(pending).scatter_(-1, order, (rank < budget[:, None]) & pending.gather(-1, order))
 
 
 def certified_decode(
@@ -107,6 +127,18 @@ def certified_decode(
     ``[S, H_kv, D]``; ``exact_mask`` ``[S, H_kv]`` marks tokens already repaired, whose exact rows are in
     ``exact_keys`` / ``exact_values`` ``[S, H_kv, D]`` (ignored elsewhere) and whose radius is zero.
     ``tau=None`` observes only. The inputs ``exact_*`` are updated in place with what gets paged in.
+
+    Repair runs in rounds. A round takes every KV head ``h`` read by a query head above ``tau`` (NaN counts
+    as above), ranks the blocks of ``h`` that still hold a quantized token by their share of ``A1``
+    summed over those query heads, pages in the ``max(1, n_h)`` largest (``n_h``: blocks of ``h`` paged in
+    by earlier rounds of this call) for all such heads in one ``fetch``, and recomputes every certificate
+    of those heads. Every certificate returned is the one recomputed after the last round, and is
+    ``<= tau``. Repairs only what it must, in this sense: a block of ``h`` is paged in only in a round that
+    starts with a query head of ``h`` above ``tau``, and ``h`` gets at most ``max(1, 2 n)`` blocks, where
+    ``n`` is the number paged in when ``h`` was last found above ``tau`` (at most twice the blocks shown to
+    be too few). A call takes at most ``ceil(log2(num_blocks)) + 1`` rounds. The bytes of a KV head's
+    rows are charged to its first query head above ``tau`` in that round. Raises ``RuntimeError`` if a head
+    stays above ``tau`` with all its tokens exact (only a NaN query can do that).
     """
     q = q.to(torch.float32)
     num_q_heads, head_dim = q.shape
@@ -129,40 +161,48 @@ def certified_decode(
     certificate = reference.accumulate_certificate(probs, radius).certificate
     fallback = torch.zeros(num_q_heads, dtype=torch.bool, device=q.device)
     repaired_bytes = torch.zeros(num_q_heads, dtype=torch.int64, device=q.device)
-    repaired: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    repaired: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     if tau is not None:
         block_of_position = torch.arange(num_tokens, device=q.device) // block_size
         num_blocks = (num_tokens + block_size - 1) // block_size
-        # Repairing one KV head changes the softmax of every query head reading it, and a certificate
-        # is not monotone in that change: re-check all heads until none exceeds tau. It terminates
-        # because a fully exact head has radius zero everywhere, hence certificate zero.
+        paged = torch.zeros(num_kv_heads, dtype=torch.int64, device=q.device)  # blocks paged in by this call
+        first_head = torch.arange(num_kv_heads, device=q.device) * group_size
+        # Repairing one KV head changes the softmax of every query head reading it, and a certificate is
+        # not monotone in that change: re-check all heads after every round until none exceeds tau.
         while True:
             over = ~(certificate <= tau)  # NaN counts as over: repair rather than trust it
-            if not bool(over.any()):
+            over_kv = over.view(num_kv_heads, group_size).any(-1)
+            if not bool(over_kv.any()):
                 break
-            head = int(over.nonzero()[0])
-            kv_head = int(kv_of_q[head])
-            shares = block_shares(probs[head], radius[head], block_of_position, num_blocks)
-            pending = ~exact_mask[:, kv_head]
-            has_pending = torch.zeros(num_blocks, dtype=torch.bool, device=q.device)
-            has_pending.index_fill_(0, block_of_position[pending], True)
-            shares = torch.where(has_pending, shares, torch.full_like(shares, -1.0))
-            block = int(shares.argmax())
-            positions = ((block_of_position == block) & pending).nonzero().squeeze(-1)
-            k_exact, v_exact = fetch(positions, kv_head)
-            exact_mask[positions, kv_head] = True
-            exact_keys[positions, kv_head] = k_exact.to(exact_keys.dtype)
-            exact_values[positions, kv_head] = v_exact.to(exact_values.dtype)
-            repaired.append((kv_head, positions, k_exact, v_exact))
-            fallback[head] = True
-            repaired_bytes[head] += k_exact.numel() * k_exact.element_size() + v_exact.numel() * v_exact.element_size()
+            shares = block_shares(probs, radius, block_of_position, num_blocks)  # [H_q, blocks]
+            shares = torch.where(over[:, None], shares, 0.0).view(num_kv_heads, group_size, num_blocks).sum(1)
+            budget = torch.where(over_kv, paged.clamp_min(1), 0)  # doubling: 1, 1, 2, 4, ... blocks per round
+            chosen = _largest_pending(shares, budget, exact_mask, block_of_position, num_blocks)  # [H_kv, blocks]
+            positions, kv_heads = (chosen.T[block_of_position] & ~exact_mask).nonzero(as_tuple=True)
+            if positions.numel() == 0:
+                # Every token of an over-tau head is exact, so its radius is zero: only a NaN gets here.
+                raise RuntimeError(f"heads {over.nonzero().squeeze(-1).tolist()} stay above tau with all K/V exact")
+            k_exact, v_exact = fetch(positions, kv_heads)
+            exact_mask[positions, kv_heads] = True
+            exact_keys[positions, kv_heads] = k_exact.to(exact_keys.dtype)
+            exact_values[positions, kv_heads] = v_exact.to(exact_values.dtype)
+            repaired.append((positions, kv_heads, k_exact, v_exact))
+            paged += chosen.sum(-1)
+            fallback |= over & over_kv[kv_of_q]
+            # Each KV head's rows are charged to its first query head above tau in this round.
+            row_bytes = (k_exact.element_size() + v_exact.element_size()) * head_dim
+            charged = first_head + (over.view(num_kv_heads, group_size).to(torch.int8).argmax(-1))
+            repaired_bytes.index_add_(0, charged[kv_heads], torch.full_like(kv_heads, row_bytes))
 
-            group = (kv_of_q == kv_head).nonzero().squeeze(-1)
-            logits[group[:, None], positions[None, :]] = sm_scale * q[group] @ k_exact.to(torch.float32).T
-            radius[group[:, None], positions[None, :]] = 0.0
-            probs[group] = torch.softmax(logits[group], dim=-1)
-            certificate[group] = reference.accumulate_certificate(probs[group], radius[group]).certificate
+            readers = kv_heads[:, None] * group_size + torch.arange(group_size, device=q.device)  # [n, G]
+            logits[readers, positions[:, None]] = (
+                sm_scale * (q[readers] @ k_exact.to(torch.float32)[:, :, None])[..., 0]
+            )
+            radius[readers, positions[:, None]] = 0.0
+            heads = over_kv[kv_of_q]
+            probs[heads] = torch.softmax(logits[heads], dim=-1)
+            certificate[heads] = reference.accumulate_certificate(probs[heads], radius[heads]).certificate
 
     v_eff = torch.where(exact_mask[..., None], exact_values.to(torch.float32), values.to(torch.float32))
     out = (probs.view(num_kv_heads, group_size, num_tokens) @ v_eff.transpose(0, 1)).reshape(num_q_heads, head_dim)

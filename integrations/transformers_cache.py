@@ -89,12 +89,13 @@ class _RepairedSlots:
     def __len__(self) -> int:
         return self.keys.shape[0]  # known on the host: no sync
 
-    def add(self, slots: torch.Tensor, kv_head: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def add(self, slots: torch.Tensor, kv_heads: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the exact rows ``k``, ``v`` ``[n, D]`` of the pairs ``(slots[i], kv_heads[i])``."""
         first = len(self)
-        self.row_of[slots, kv_head] = torch.arange(first, first + slots.numel(), device=self.row_of.device)
-        self.skip[slots, kv_head] = True
+        self.row_of[slots, kv_heads] = torch.arange(first, first + slots.numel(), device=self.row_of.device)
+        self.skip[slots, kv_heads] = True
         self.slot = torch.cat((self.slot, slots.to(self.slot)))
-        self.kv_head = torch.cat((self.kv_head, torch.full_like(slots, kv_head, dtype=torch.int64)))
+        self.kv_head = torch.cat((self.kv_head, kv_heads.to(self.kv_head)))
         self.keys = torch.cat((self.keys, k.to(self.keys)))
         self.values = torch.cat((self.values, v.to(self.values)))
 
@@ -458,13 +459,13 @@ class WitcertCache(Cache):
         host_slots = slots.cpu()
         mask, exact_k, exact_v = self.repaired[layer].dense(slots)
 
-        def fetch(positions: torch.Tensor, kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def fetch(positions: torch.Tensor, kv_heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
-            picked = host_slots[positions.cpu()]
+            picked, heads = host_slots[positions.cpu()], kv_heads.cpu()
             return (
-                self.backup["k"][layer, picked, kv_head].to(self.device),
-                self.backup["v"][layer, picked, kv_head].to(self.device),
+                self.backup["k"][layer, picked, heads].to(self.device),
+                self.backup["v"][layer, picked, heads].to(self.device),
             )
 
         row = certified_decode(
@@ -480,8 +481,8 @@ class WitcertCache(Cache):
             fetch=fetch,
             block_size=self.policy.repair_block,
         )
-        for kv_head, positions, k_exact, v_exact in row.repaired_positions:
-            self.repaired[layer].add(slots[positions], kv_head, k_exact, v_exact)
+        for positions, kv_heads, k_exact, v_exact in row.repaired_positions:
+            self.repaired[layer].add(slots[positions], kv_heads, k_exact, v_exact)
         return row
 
 
