@@ -422,3 +422,13 @@ def test_in_generation_the_repair_path_runs_only_to_page_in_something(monkeypatc
     # A row reaches the repair path only when its merged certificate exceeds tau, so it always pages in.
     assert all(bool(row.fallback.any()) for row in decoded)
     assert bool((torch.cat(reported) <= 0.03).all())
+
+
+def test_a_head_that_stays_above_tau_with_every_token_exact_raises_rather_than_loops():
+    q, keys, values, k_quant, v_hat = _head_inputs(seed=2)
+    q[1, 0] = math.nan  # its certificate is NaN whatever gets paged in
+    backup = _Backup(keys, values)
+    with pytest.raises(RuntimeError, match="stay above tau"):
+        _decode(q, k_quant, v_hat, backup, 0.5)
+    paged = {pair for pairs in backup.fetched for pair in pairs}
+    assert {(position, 0) for position in range(S)} <= paged  # the NaN head's KV head was paged in entirely
