@@ -39,8 +39,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from witcert.integrations.gating import (
     CachePolicy,
     GateMode,
-    SequenceDecode,
-    certified_decode,
+    RowsDecode,
+    certified_decode_rows,
     exact_attention,
     merge_exact,
 )
@@ -359,8 +359,8 @@ class WitcertCache(Cache):
         The fused kernel reads every row. In gate mode it skips the (slot, KV head) pairs repaired at
         earlier steps; the exact part over those pairs is computed for the whole batch in torch and
         merged with the kernel's part, certificate included (``gating.merge_exact``). Rows where some
-        head's merged certificate exceeds tau are recomputed on the repair path
-        (``gating.certified_decode``: more blocks paged in until every head of the row is within tau);
+        head's merged certificate exceeds tau are recomputed on the repair path, all
+        together (``gating.certified_decode_rows``: more blocks paged in until every head is within tau);
         their new pairs join the skip mask, so later steps read them through the kernel and the merge.
         Gate mode syncs with the host once per layer (to find those rows); observe and off modes never.
         """
@@ -409,14 +409,14 @@ class WitcertCache(Cache):
                     _log.error("decode returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows)
                 fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
                 repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
-                for b in over_rows:
-                    row = self._repair_row(layer, b, length, q[b], sm_scale)
-                    out[b], certificate[b], fallback[b], repaired[b] = (
-                        row.out,
-                        row.certificate,
-                        row.fallback,
-                        row.repaired_bytes,
-                    )
+                rows = torch.tensor(over_rows, device=self.device)
+                decoded = self._repair_rows(layer, over_rows, length, q[rows], sm_scale)
+                out[rows] = decoded.out.to(out.dtype)
+                certificate[rows], fallback[rows], repaired[rows] = (
+                    decoded.certificate,
+                    decoded.fallback,
+                    decoded.repaired_bytes,
+                )
                 self.fallback_total += fallback.sum()
                 self.repaired_bytes_total += repaired.sum()
         self.certificate_total += certificate.numel()
@@ -474,36 +474,43 @@ class WitcertCache(Cache):
             repaired_bytes=None if self._step_repaired_bytes is None else self._step_repaired_bytes[layers],
         )
 
-    def _repair_row(self, layer: int, b: int, length: int, q: torch.Tensor, sm_scale: float) -> SequenceDecode:
-        slots = self.slots(b, length)
+    def _repair_rows(
+        self, layer: int, batch_rows: list[int], length: int, q: torch.Tensor, sm_scale: float
+    ) -> RowsDecode:
+        """Recompute the rows ``batch_rows`` (queries ``q`` ``[R, H_q, D]``) on the repair path, all at once."""
+        slots = torch.stack([self.slots(b, length) for b in batch_rows])  # [R, S]
         host_slots = slots.cpu()
-        mask, exact_k, exact_v = self.repaired[layer].dense(slots)
+        store = self.repaired[layer]
+        mask, exact_k, exact_v = store.dense(slots.reshape(-1))
+        num_rows = len(batch_rows)
 
-        def fetch(positions: torch.Tensor, kv_heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def fetch(
+            rows: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
-            picked, heads = host_slots[positions.cpu()], kv_heads.cpu()
+            picked, heads = host_slots[rows.cpu(), positions.cpu()], kv_heads.cpu()
             return (
                 self.backup["k"][layer, picked, heads].to(self.device),
                 self.backup["v"][layer, picked, heads].to(self.device),
             )
 
-        row = certified_decode(
+        decoded = certified_decode_rows(
             q.float(),
-            self.pool.quantized(layer, slots, "k"),
-            self.pool.dequantize(layer, slots, "v"),
-            mask,
-            exact_k,
-            exact_v,
+            [self.pool.quantized(layer, row_slots, "k") for row_slots in slots],
+            self.pool.dequantize(layer, slots.reshape(-1), "v").view(num_rows, length, self.kv_heads, -1),
+            mask.view(num_rows, length, self.kv_heads),
+            exact_k.view(num_rows, length, self.kv_heads, -1),
+            exact_v.view(num_rows, length, self.kv_heads, -1),
             sm_scale=sm_scale,
             delta=self.delta,
             tau=self.policy.tau,
             fetch=fetch,
             block_size=self.policy.repair_block,
         )
-        for positions, kv_heads, k_exact, v_exact in row.repaired_positions:
-            self.repaired[layer].add(slots[positions], kv_heads, k_exact, v_exact)
-        return row
+        for rows, positions, kv_heads, k_exact, v_exact in decoded.repaired_pairs:
+            store.add(slots[rows, positions], kv_heads, k_exact, v_exact)
+        return decoded
 
 
 def witcert_attention(

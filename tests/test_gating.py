@@ -18,6 +18,7 @@ from witcert.integrations.gating import (
     GateMode,
     block_shares,
     certified_decode,
+    certified_decode_rows,
     exact_attention,
     merge_exact,
 )
@@ -375,21 +376,22 @@ def test_repaired_rows_are_read_through_the_kernel_and_merge_at_the_next_step(mo
 
     def counting(*args, **kwargs):
         calls.append(kwargs["tau"])
-        return certified_decode(*args, **kwargs)
+        return certified_decode_rows(*args, **kwargs)
 
-    monkeypatch.setattr(transformers_cache, "certified_decode", counting)
+    monkeypatch.setattr(transformers_cache, "certified_decode_rows", counting)
     aggregator = CertificateAggregator(1, H_Q, tau=tau, stride=1, device="cpu")
     cache = WitcertCache(config, CachePolicy(mode="gate", tau=tau), max_cache_len=S, observer=aggregator)
     cache.layers[0].update(keys, values)
     reported = []
     cache.audit = lambda cache, layer, q, certificate, sm: reported.append(certificate.clone())
     first = cache.decode(0, query, SM_SCALE)
-    repaired_rows, fallbacks, repaired_bytes = len(calls), int(cache.fallback_total), int(cache.repaired_bytes_total)
-    assert 0 < repaired_rows and fallbacks > 0 and len(cache.repaired[0]) > 0
+    repair_calls, fallbacks, repaired_bytes = len(calls), int(cache.fallback_total), int(cache.repaired_bytes_total)
+    assert repair_calls == 1  # every row above tau goes to the repair path in one call
+    assert fallbacks > 0 and len(cache.repaired[0]) > 0
     assert bool(cache.repaired[0].skip.any())
 
     second = cache.decode(0, query, SM_SCALE)  # the next step, same query: the kernel skips what was repaired
-    assert len(calls) == repaired_rows  # no row went to the per-row repair path again
+    assert len(calls) == repair_calls  # no row went to the per-row repair path again
     assert bool((reported[1] <= tau).all())
     torch.testing.assert_close(second, first, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(reported[1], reported[0], rtol=1e-4, atol=1e-7)
@@ -406,10 +408,10 @@ def test_in_generation_the_repair_path_runs_only_to_page_in_something(monkeypatc
     decoded = []
 
     def counting(*args, **kwargs):
-        decoded.append(certified_decode(*args, **kwargs))
+        decoded.append(certified_decode_rows(*args, **kwargs))
         return decoded[-1]
 
-    monkeypatch.setattr(transformers_cache, "certified_decode", counting)
+    monkeypatch.setattr(transformers_cache, "certified_decode_rows", counting)
     reported = []
     cache = WitcertCache(
         model.config,
@@ -420,7 +422,7 @@ def test_in_generation_the_repair_path_runs_only_to_page_in_something(monkeypatc
     greedy_generate(model, prompt, cache, 9, min_new_tokens=9)
     assert len(decoded) > 0
     # A row reaches the repair path only when its merged certificate exceeds tau, so it always pages in.
-    assert all(bool(row.fallback.any()) for row in decoded)
+    assert all(bool(rows.fallback.any(-1).all()) for rows in decoded)
     assert bool((torch.cat(reported) <= 0.03).all())
 
 
@@ -432,3 +434,47 @@ def test_a_head_that_stays_above_tau_with_every_token_exact_raises_rather_than_l
         _decode(q, k_quant, v_hat, backup, 0.5)
     paged = {pair for pairs in backup.fetched for pair in pairs}
     assert {(position, 0) for position in range(S)} <= paged  # the NaN head's KV head was paged in entirely
+
+
+def test_rows_repaired_together_page_in_what_each_row_alone_would_in_as_many_rounds_as_the_longest():
+    inputs = [_head_inputs(seed=seed, sharpness=2.0 + seed) for seed in range(3)]
+    tau = 0.5 * min(
+        float(_decode(q, k_quant, v_hat, None, None)[0].certificate.median()) for q, _, _, k_quant, v_hat in inputs
+    )
+    alone, alone_rounds, alone_pages = [], [], []
+    for q, keys, values, k_quant, v_hat in inputs:
+        backup = _Backup(keys, values)
+        alone.append(_decode(q, k_quant, v_hat, backup, tau)[0])
+        alone_rounds.append(len(backup.fetched))
+        alone_pages.append({pair for pairs in backup.fetched for pair in pairs})
+
+    rounds: list[list[tuple[int, int, int]]] = []
+
+    def fetch(rows, positions, kv_heads):
+        rounds.append(list(zip(rows.tolist(), positions.tolist(), kv_heads.tolist(), strict=True)))
+        return (
+            torch.stack([inputs[r][1][p, h] for r, p, h in rounds[-1]]),
+            torch.stack([inputs[r][2][p, h] for r, p, h in rounds[-1]]),
+        )
+
+    together = certified_decode_rows(
+        torch.stack([q for q, *_ in inputs]),
+        [k_quant for *_, k_quant, _ in inputs],
+        torch.stack([v_hat for *_, v_hat in inputs]),
+        torch.zeros(3, S, H_KV, dtype=torch.bool),
+        torch.zeros(3, S, H_KV, D),
+        torch.zeros(3, S, H_KV, D),
+        sm_scale=SM_SCALE,
+        delta=DELTA,
+        tau=tau,
+        fetch=fetch,
+        block_size=BLOCK,
+    )
+    assert len(rounds) == max(alone_rounds) > 1
+    assert bool((together.certificate <= tau).all())
+    for r, row in enumerate(alone):
+        assert {(p, h) for pairs in rounds for rr, p, h in pairs if rr == r} == alone_pages[r]
+        torch.testing.assert_close(together.certificate[r], row.certificate, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(together.out[r], row.out, rtol=1e-5, atol=1e-6)
+        assert torch.equal(together.fallback[r], row.fallback)
+        assert torch.equal(together.repaired_bytes[r], row.repaired_bytes)
