@@ -73,10 +73,10 @@ class DecodeAudit(Protocol):
 class _RepairedSlots:
     """Exact K/V rows of repaired (slot, KV head) pairs of one layer, kept on the compute device.
 
-        ``skip`` ``[num_slots, H_kv]`` marks the pairs held here: the fused kernel leaves them out and
-        ``gating.exact_attention`` reads them from ``keys`` / ``values`` (pair ``n`` is ``(slot[n], kv_head[n])``, of
-    batch row ``batch_row[n]``).
-        Pairs are only ever added: a ``WitcertCache`` serves one request and never frees or reorders slots.
+    ``skip`` ``[num_slots, H_kv]`` marks the pairs held here: the fused kernel leaves them out and
+    ``gating.exact_attention`` reads them from ``keys`` / ``values`` (pair ``n`` is ``(slot[n], kv_head[n])``,
+    of batch row ``batch_row[n]``).
+    Pairs are only ever added: a ``WitcertCache`` serves one request and never frees or reorders slots.
     """
 
     def __init__(
