@@ -3,14 +3,16 @@ fused kernel's result with the exact part over repaired tokens (THEORY.md sectio
 
 A head whose certificate exceeds ``tau`` is repaired: the bound decomposes over tokens
 (``A1 = sum_t p~_t expm1(u_t)``), exact tokens have ``u_t = 0``, so paging in a block of exact K/V
-removes that block's share. Blocks are paged in by decreasing share and the head is recomputed after
-each one, stopping as soon as its certificate is ``<= tau`` (``certified_decode``). Repaired
+removes that block's share. ``certified_decode_rows`` repairs a batch of rows in rounds: each round pages
+in, for every (row, KV head) read by a head above ``tau``, its blocks of largest share (1, 1, 2, 4, ...: as
+many as it already has), all in one fetch, then recomputes the certificates once, until none exceeds
+``tau`` (``certified_decode``: the same for one row). Repaired
 (slot, KV head) pairs are handed back to the caller to keep: a request pays for each slot at most once.
 
 Later steps read those pairs exactly without the per-row path: the fused kernel skips them, the exact
 part over them is computed for the whole batch at once (``exact_attention``), and ``merge_exact``
-combines the two softmax parts and their certificate accumulators. ``certified_decode`` is plain torch:
-in the transformers cache it runs only for rows whose merged certificate exceeds tau. The SGLang
+combines the two softmax parts and their certificate accumulators. The repair path is plain torch: in the
+transformers cache it runs once per layer, on the rows whose merged certificate exceeds tau. The SGLang
 backend does not merge yet: it recomputes on it every row whose kernel certificate exceeds tau.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
@@ -61,8 +63,26 @@ class CachePolicy(BaseModel):
         return reference.delta_step(num_layers, num_q_heads, delta_req=self.delta_req, horizon=self.horizon)
 
 
-ExactFetch = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-"""``fetch(positions, kv_head) -> (k, v)``: exact rows ``[n, D]`` of one sequence, from the host backup."""
+ExactFetch = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``fetch(positions, kv_heads) -> (k, v)``: the exact rows ``[n, D]`` of one sequence's (token, KV head) pairs
+``(positions[i], kv_heads[i])``, from the host backup: one call per repair round."""
+
+
+RowsFetch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``fetch(rows, positions, kv_heads) -> (k, v)``: the exact rows ``[n, D]`` of the (token, KV head) pairs
+``(positions[i], kv_heads[i])`` of batch rows ``rows[i]``, from the host backup: one call per repair round."""
+
+
+@dataclass
+class RowsDecode:
+    """A decode step of ``R`` sequences at one layer through the certified torch path: ``[R, H_q, ...]``."""
+
+    out: torch.Tensor  # [R, H_q, D] float32
+    certificate: torch.Tensor  # [R, H_q] float32, after any repair
+    fallback: torch.Tensor  # [R, H_q] bool: this head was above tau at the start of some repair round
+    repaired_bytes: torch.Tensor  # [R, H_q] int64: bytes paged in on this head's behalf
+    # One entry per repair round: (rows, positions, kv_heads [n], k, v [n, D]) of the pairs paged in.
+    repaired_pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -71,20 +91,38 @@ class SequenceDecode:
 
     out: torch.Tensor  # [H_q, D] float32
     certificate: torch.Tensor  # [H_q] float32, after any repair
-    fallback: torch.Tensor  # [H_q] bool: this head triggered a repair
+    fallback: torch.Tensor  # [H_q] bool: this head was above tau at the start of some repair round
     repaired_bytes: torch.Tensor  # [H_q] int64: bytes paged in on this head's behalf
-    repaired_positions: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]  # (kv_head, positions, k, v)
+    # One entry per repair round: (positions [n], kv_heads [n], k [n, D], v [n, D]) of the pairs paged in.
+    repaired_positions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def block_shares(
     probs: torch.Tensor, radius: torch.Tensor, block_of_position: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
-    """Each block's share ``sum_{t in block} p~_t expm1(u_t)`` of T1 for one head: ``[num_blocks]``.
+    """Each block's share ``sum_{t in block} p~_t expm1(u_t)`` of T1, per head: ``[..., S]`` -> ``[..., num_blocks]``.
 
     An overflowed term (``0 * inf``) counts as +inf: such a block must be paged in first.
     """
     terms = torch.nan_to_num(probs * torch.expm1(radius), nan=math.inf)
-    return torch.zeros(num_blocks, dtype=terms.dtype, device=terms.device).index_add_(0, block_of_position, terms)
+    shares = torch.zeros(*terms.shape[:-1], num_blocks, dtype=terms.dtype, device=terms.device)
+    return shares.index_add_(-1, block_of_position, terms)
+
+
+def _largest_pending(
+    shares: torch.Tensor,
+    budget: torch.Tensor,
+    exact_mask: torch.Tensor,
+    block_of_position: torch.Tensor,
+    num_blocks: int,
+) -> torch.Tensor:
+    """``[H_kv, num_blocks]``: for each KV head, its ``budget`` blocks of largest ``shares`` that still hold a
+    quantized token (fewer if fewer are left). Ties go to the lower block, as ``argmax`` would pick."""
+    pending = torch.zeros(exact_mask.shape[1], num_blocks, dtype=torch.int64, device=shares.device)
+    pending = pending.index_add_(1, block_of_position, (~exact_mask).T.to(torch.int64)) > 0
+    order = torch.where(pending, shares, -1.0).argsort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(num_blocks, device=shares.device)
+    return torch.zeros_like(pending).scatter_(-1, order, (rank < budget[:, None]) & pending.gather(-1, order))
 
 
 def certified_decode(
@@ -107,71 +145,155 @@ def certified_decode(
     ``[S, H_kv, D]``; ``exact_mask`` ``[S, H_kv]`` marks tokens already repaired, whose exact rows are in
     ``exact_keys`` / ``exact_values`` ``[S, H_kv, D]`` (ignored elsewhere) and whose radius is zero.
     ``tau=None`` observes only. The inputs ``exact_*`` are updated in place with what gets paged in.
+    The repair and its guarantee are those of ``certified_decode_rows``, for a batch of one row.
+    """
+
+    def fetch_row(
+        rows: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fetch(positions, kv_heads)
+
+    decoded = certified_decode_rows(
+        q[None],
+        [keys],
+        values[None],
+        exact_mask[None],
+        exact_keys[None],
+        exact_values[None],
+        sm_scale=sm_scale,
+        delta=delta,
+        tau=tau,
+        fetch=None if fetch is None else fetch_row,
+        block_size=block_size,
+    )
+    return SequenceDecode(
+        out=decoded.out[0],
+        certificate=decoded.certificate[0],
+        fallback=decoded.fallback[0],
+        repaired_bytes=decoded.repaired_bytes[0],
+        repaired_positions=[(positions, kv_heads, k, v) for _, positions, kv_heads, k, v in decoded.repaired_pairs],
+    )
+
+
+def certified_decode_rows(
+    q: torch.Tensor,
+    keys: Sequence[reference.QuantizedKV],
+    values: torch.Tensor,
+    exact_mask: torch.Tensor,
+    exact_keys: torch.Tensor,
+    exact_values: torch.Tensor,
+    *,
+    sm_scale: float,
+    delta: float,
+    tau: float | None,
+    fetch: RowsFetch | None,
+    block_size: int,
+) -> RowsDecode:
+    """Decode ``R`` sequences of ``S`` tokens each at one layer, with certificates, repairing heads above ``tau``.
+
+    ``q`` ``[R, H_q, D]``; ``keys`` the quantized K of each row's ``S`` slots; ``values`` the dequantized V
+    ``[R, S, H_kv, D]``; ``exact_mask`` ``[R, S, H_kv]`` marks tokens already repaired, whose exact rows are
+    in ``exact_keys`` / ``exact_values`` ``[R, S, H_kv, D]`` (ignored elsewhere) and whose radius is zero.
+    ``tau=None`` observes only. The inputs ``exact_*`` are updated in place with what gets paged in.
+
+    Repair runs in rounds, over all rows at once. A round takes every (row, KV head) ``h`` read by a query
+    head above ``tau`` (NaN counts as above), ranks the blocks of ``h`` that still hold a quantized token by
+    their share of ``A1`` summed over those query heads, pages in the ``max(1, n_h)`` largest (``n_h``:
+    blocks of ``h`` paged in by earlier rounds of this call) for all such ``h`` in one ``fetch``, and
+    recomputes every certificate of their query heads. Every certificate returned is the one recomputed
+    after the last round, and is ``<= tau``. Repairs only what it must, in this sense: a block of ``h`` is
+    paged in only in a round that starts with a query head of ``h`` above ``tau``, and ``h`` gets at most
+    ``max(1, 2 n)`` blocks, where ``n`` is the number paged in when ``h`` was last found above ``tau`` (at
+    most twice the blocks shown to be too few). A call takes at most ``ceil(log2(num_blocks)) + 1``
+    rounds. The bytes of the rows of ``h`` are charged to its first query head above ``tau`` in that round.
+    Raises ``RuntimeError`` if a head stays above ``tau`` with all its tokens exact (only a NaN query can).
     """
     q = q.to(torch.float32)
-    num_q_heads, head_dim = q.shape
-    num_tokens, num_kv_heads, _ = values.shape
+    num_rows, num_q_heads, head_dim = q.shape
+    _, num_tokens, num_kv_heads, _ = values.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if len(keys) != num_rows:
+        raise ValueError(f"{num_rows} query rows but {len(keys)} key rows")
     if tau is not None and fetch is None:
         raise ValueError("gating needs a way to fetch exact K/V (fetch=None)")
-    kv_of_q = torch.arange(num_q_heads, device=q.device) // (num_q_heads // num_kv_heads)
-
-    k_hat = keys.dequantize(torch.float32)
-    k_eff = torch.where(exact_mask[..., None], exact_keys.to(torch.float32), k_hat)
     group_size = num_q_heads // num_kv_heads
-    # Grouped matmuls [H_kv, G, D] x [H_kv, D, S]: no copy of K per query head.
-    logits = sm_scale * (q.view(num_kv_heads, group_size, head_dim) @ k_eff.permute(1, 2, 0)).reshape(num_q_heads, -1)
-    radius = reference.logit_radius(q, keys, sm_scale=sm_scale, delta=delta, kv_head_of_query=kv_of_q)
-    radius = radius.masked_fill(exact_mask.T[kv_of_q], 0.0)
+    num_cells = num_rows * num_kv_heads  # cell c = (row c // H_kv, KV head c % H_kv); query row c * G + g reads it
+    kv_of_q = torch.arange(num_q_heads, device=q.device) // group_size
+
+    k_hat = torch.stack([row_keys.dequantize(torch.float32) for row_keys in keys])
+    k_eff = torch.where(exact_mask[..., None], exact_keys.to(torch.float32), k_hat)
+    # Grouped matmuls [R, H_kv, G, D] x [R, H_kv, D, S]: no copy of K per query head.
+    logits = sm_scale * (q.view(num_rows, num_kv_heads, group_size, head_dim) @ k_eff.permute(0, 2, 3, 1))
+    logits = logits.reshape(num_rows * num_q_heads, num_tokens)
+    radius = torch.stack(
+        [
+            reference.logit_radius(q[r], keys[r], sm_scale=sm_scale, delta=delta, kv_head_of_query=kv_of_q)
+            for r in range(num_rows)
+        ]
+    )
+    radius = radius.masked_fill(exact_mask.transpose(1, 2)[:, kv_of_q], 0.0).reshape(num_rows * num_q_heads, -1)
 
     probs = torch.softmax(logits, dim=-1)
     certificate = reference.accumulate_certificate(probs, radius).certificate
-    fallback = torch.zeros(num_q_heads, dtype=torch.bool, device=q.device)
-    repaired_bytes = torch.zeros(num_q_heads, dtype=torch.int64, device=q.device)
-    repaired: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    fallback = torch.zeros(num_rows * num_q_heads, dtype=torch.bool, device=q.device)
+    repaired_bytes = torch.zeros(num_rows * num_q_heads, dtype=torch.int64, device=q.device)
+    repaired: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     if tau is not None:
         block_of_position = torch.arange(num_tokens, device=q.device) // block_size
         num_blocks = (num_tokens + block_size - 1) // block_size
-        # Repairing one KV head changes the softmax of every query head reading it, and a certificate
-        # is not monotone in that change: re-check all heads until none exceeds tau. It terminates
-        # because a fully exact head has radius zero everywhere, hence certificate zero.
+        cell_mask = exact_mask.permute(1, 0, 2).reshape(num_tokens, num_cells)  # view or copy: both updated
+        q_rows = q.reshape(num_rows * num_q_heads, head_dim)
+        paged = torch.zeros(num_cells, dtype=torch.int64, device=q.device)  # blocks paged in by this call
+        first_head = torch.arange(num_cells, device=q.device) * group_size
+        # Repairing one cell changes the softmax of every query head reading it, and a certificate is not
+        # monotone in that change: re-check all heads after every round until none exceeds tau.
         while True:
             over = ~(certificate <= tau)  # NaN counts as over: repair rather than trust it
-            if not bool(over.any()):
+            over_cell = over.view(num_cells, group_size).any(-1)
+            if not bool(over_cell.any()):
                 break
-            head = int(over.nonzero()[0])
-            kv_head = int(kv_of_q[head])
-            shares = block_shares(probs[head], radius[head], block_of_position, num_blocks)
-            pending = ~exact_mask[:, kv_head]
-            has_pending = torch.zeros(num_blocks, dtype=torch.bool, device=q.device)
-            has_pending.index_fill_(0, block_of_position[pending], True)
-            shares = torch.where(has_pending, shares, torch.full_like(shares, -1.0))
-            block = int(shares.argmax())
-            positions = ((block_of_position == block) & pending).nonzero().squeeze(-1)
-            k_exact, v_exact = fetch(positions, kv_head)
-            exact_mask[positions, kv_head] = True
-            exact_keys[positions, kv_head] = k_exact.to(exact_keys.dtype)
-            exact_values[positions, kv_head] = v_exact.to(exact_values.dtype)
-            repaired.append((kv_head, positions, k_exact, v_exact))
-            fallback[head] = True
-            repaired_bytes[head] += k_exact.numel() * k_exact.element_size() + v_exact.numel() * v_exact.element_size()
+            shares = block_shares(probs, radius, block_of_position, num_blocks)  # [R * H_q, blocks]
+            shares = torch.where(over[:, None], shares, 0.0).view(num_cells, group_size, num_blocks).sum(1)
+            budget = torch.where(over_cell, paged.clamp_min(1), 0)  # doubling: 1, 1, 2, 4, ... blocks per round
+            chosen = _largest_pending(shares, budget, cell_mask, block_of_position, num_blocks)  # [cells, blocks]
+            positions, cells = (chosen.T[block_of_position] & ~cell_mask).nonzero(as_tuple=True)
+            if positions.numel() == 0:
+                # Every token of an over-tau head is exact, so its radius is zero: only a NaN gets here.
+                raise RuntimeError(f"heads {over.nonzero().squeeze(-1).tolist()} stay above tau with all K/V exact")
+            rows, kv_heads = cells // num_kv_heads, cells % num_kv_heads
+            k_exact, v_exact = fetch(rows, positions, kv_heads)
+            cell_mask[positions, cells] = True
+            exact_mask[rows, positions, kv_heads] = True
+            exact_keys[rows, positions, kv_heads] = k_exact.to(exact_keys.dtype)
+            exact_values[rows, positions, kv_heads] = v_exact.to(exact_values.dtype)
+            repaired.append((rows, positions, kv_heads, k_exact, v_exact))
+            paged += chosen.sum(-1)
+            fallback |= over
+            # Each cell's rows are charged to its first query head above tau in this round.
+            row_bytes = (k_exact.element_size() + v_exact.element_size()) * head_dim
+            charged = first_head + over.view(num_cells, group_size).to(torch.int8).argmax(-1)
+            repaired_bytes.index_add_(0, charged[cells], torch.full_like(cells, row_bytes))
 
-            group = (kv_of_q == kv_head).nonzero().squeeze(-1)
-            logits[group[:, None], positions[None, :]] = sm_scale * q[group] @ k_exact.to(torch.float32).T
-            radius[group[:, None], positions[None, :]] = 0.0
-            probs[group] = torch.softmax(logits[group], dim=-1)
-            certificate[group] = reference.accumulate_certificate(probs[group], radius[group]).certificate
+            readers = cells[:, None] * group_size + torch.arange(group_size, device=q.device)  # [n, G]
+            logits[readers, positions[:, None]] = (
+                sm_scale * (q_rows[readers] @ k_exact.to(torch.float32)[:, :, None])[..., 0]
+            )
+            radius[readers, positions[:, None]] = 0.0
+            heads = over_cell.repeat_interleave(group_size)
+            probs[heads] = torch.softmax(logits[heads], dim=-1)
+            certificate[heads] = reference.accumulate_certificate(probs[heads], radius[heads]).certificate
 
     v_eff = torch.where(exact_mask[..., None], exact_values.to(torch.float32), values.to(torch.float32))
-    out = (probs.view(num_kv_heads, group_size, num_tokens) @ v_eff.transpose(0, 1)).reshape(num_q_heads, head_dim)
-    return SequenceDecode(
-        out=out,
-        certificate=certificate,
-        fallback=fallback,
-        repaired_bytes=repaired_bytes,
-        repaired_positions=repaired,
+    out = probs.view(num_rows, num_kv_heads, group_size, num_tokens) @ v_eff.permute(0, 2, 1, 3)
+    shape = (num_rows, num_q_heads)
+    return RowsDecode(
+        out=out.reshape(num_rows, num_q_heads, head_dim),
+        certificate=certificate.view(shape),
+        fallback=fallback.view(shape),
+        repaired_bytes=repaired_bytes.view(shape),
+        repaired_pairs=repaired,
     )
 
 

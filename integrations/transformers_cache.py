@@ -39,8 +39,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from witcert.integrations.gating import (
     CachePolicy,
     GateMode,
-    SequenceDecode,
-    certified_decode,
+    RowsDecode,
+    certified_decode_rows,
     exact_attention,
     merge_exact,
 )
@@ -74,14 +74,19 @@ class _RepairedSlots:
     """Exact K/V rows of repaired (slot, KV head) pairs of one layer, kept on the compute device.
 
     ``skip`` ``[num_slots, H_kv]`` marks the pairs held here: the fused kernel leaves them out and
-    ``gating.exact_attention`` reads them from ``keys`` / ``values`` (pair ``n`` is ``(slot[n], kv_head[n])``).
+    ``gating.exact_attention`` reads them from ``keys`` / ``values`` (pair ``n`` is ``(slot[n], kv_head[n])``,
+    of batch row ``batch_row[n]``).
     Pairs are only ever added: a ``WitcertCache`` serves one request and never frees or reorders slots.
     """
 
-    def __init__(self, num_slots: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, num_slots: int, slots_per_row: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
+    ):
+        self.slots_per_row = slots_per_row
         self.row_of = torch.full((num_slots, kv_heads), -1, dtype=torch.int64, device=device)
         self.skip = torch.zeros(num_slots, kv_heads, dtype=torch.bool, device=device)
         self.slot = torch.empty(0, dtype=torch.int64, device=device)
+        self.batch_row = torch.empty(0, dtype=torch.int64, device=device)  # slot // slots_per_row, kept per pair
         self.kv_head = torch.empty(0, dtype=torch.int64, device=device)
         self.keys = torch.empty(0, head_dim, dtype=dtype, device=device)
         self.values = torch.empty(0, head_dim, dtype=dtype, device=device)
@@ -89,12 +94,14 @@ class _RepairedSlots:
     def __len__(self) -> int:
         return self.keys.shape[0]  # known on the host: no sync
 
-    def add(self, slots: torch.Tensor, kv_head: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def add(self, slots: torch.Tensor, kv_heads: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the exact rows ``k``, ``v`` ``[n, D]`` of the pairs ``(slots[i], kv_heads[i])``."""
         first = len(self)
-        self.row_of[slots, kv_head] = torch.arange(first, first + slots.numel(), device=self.row_of.device)
-        self.skip[slots, kv_head] = True
+        self.row_of[slots, kv_heads] = torch.arange(first, first + slots.numel(), device=self.row_of.device)
+        self.skip[slots, kv_heads] = True
         self.slot = torch.cat((self.slot, slots.to(self.slot)))
-        self.kv_head = torch.cat((self.kv_head, torch.full_like(slots, kv_head, dtype=torch.int64)))
+        self.batch_row = torch.cat((self.batch_row, slots.to(self.batch_row) // self.slots_per_row))
+        self.kv_head = torch.cat((self.kv_head, kv_heads.to(self.kv_head)))
         self.keys = torch.cat((self.keys, k.to(self.keys)))
         self.values = torch.cat((self.values, v.to(self.values)))
 
@@ -179,8 +186,9 @@ class WitcertCache(Cache):
         self.keep_exact = keep_exact or self.policy.mode is GateMode.GATE
         self.delta = self.policy.delta_step(self.num_layers, self.num_q_heads)
         self.decode_steps = 0
-        # Running totals on the compute device (no host sync per step): what this cache produced.
-        self.certificate_total = torch.zeros((), dtype=torch.int64)
+        # Running totals (no host sync per step): what this cache produced. The certificate count is known on
+        # the host; fallbacks and bytes are summed on the compute device.
+        self.certificate_total = 0
         self.fallback_total = torch.zeros((), dtype=torch.int64)
         self.repaired_bytes_total = torch.zeros((), dtype=torch.int64)
         self.pool: KVPool | None = None
@@ -194,6 +202,8 @@ class WitcertCache(Cache):
         self._step_certificates: torch.Tensor | None = None
         self._step_fallbacks: torch.Tensor | None = None
         self._step_repaired_bytes: torch.Tensor | None = None
+        # Layers whose rows of _step_fallbacks / _step_repaired_bytes hold a repair (not zero): cleared lazily.
+        self._step_repairs_written = [False] * self.num_layers
         self._step_layers = 0
 
     # --- storage ---------------------------------------------------------------------------------
@@ -211,7 +221,6 @@ class WitcertCache(Cache):
         self.head_dim = head_dim
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.certificate_total = self.certificate_total.to(self.device)
         self.fallback_total = self.fallback_total.to(self.device)
         self.repaired_bytes_total = self.repaired_bytes_total.to(self.device)
         num_slots = batch * self.max_cache_len
@@ -244,7 +253,8 @@ class WitcertCache(Cache):
                 for kind in ("k", "v")
             }
         self.repaired = [
-            _RepairedSlots(num_slots, kv_heads, head_dim, self.device, self.cache_dtype) for _ in range(self.num_layers)
+            _RepairedSlots(num_slots, self.max_cache_len, kv_heads, head_dim, self.device, self.cache_dtype)
+            for _ in range(self.num_layers)
         ]
         if self.observer is not None and self.policy.mode is not GateMode.OFF:
             shape = (self.num_layers, batch, self.num_q_heads)
@@ -349,8 +359,8 @@ class WitcertCache(Cache):
         The fused kernel reads every row. In gate mode it skips the (slot, KV head) pairs repaired at
         earlier steps; the exact part over those pairs is computed for the whole batch in torch and
         merged with the kernel's part, certificate included (``gating.merge_exact``). Rows where some
-        head's merged certificate exceeds tau are recomputed on the repair path
-        (``gating.certified_decode``: more blocks paged in until every head of the row is within tau);
+        head's merged certificate exceeds tau are recomputed on the repair path, all
+        together (``gating.certified_decode_rows``: more blocks paged in until every head is within tau);
         their new pairs join the skip mask, so later steps read them through the kernel and the merge.
         Gate mode syncs with the host once per layer (to find those rows); observe and off modes never.
         """
@@ -384,29 +394,31 @@ class WitcertCache(Cache):
                     q,
                     store.keys,
                     store.values,
-                    store.slot // self.max_cache_len,
+                    store.batch_row,
                     store.kv_head,
                     num_kv_heads=self.kv_heads,
                     sm_scale=sm_scale,
                 )
                 merged = merge_exact(out, result.lse, result.accumulators, certificate, exact)
                 out, certificate = merged.out, merged.certificate
-            fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
-            repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
-            over_rows = (~(certificate <= self.policy.tau)).any(-1).nonzero().squeeze(-1).tolist()
-            if over_rows and bool(certificate[over_rows].isnan().any()):
-                # The repair path recomputes these rows in torch, so the aggregator never sees this NaN.
-                _log.error("decode returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows)
-            for b in over_rows:
-                row = self._repair_row(layer, b, length, q[b], sm_scale)
-                out[b], certificate[b], fallback[b], repaired[b] = (
-                    row.out,
-                    row.certificate,
-                    row.fallback,
-                    row.repaired_bytes,
+            # The one host sync of the layer: a flag per row (a nonzero() would add a sync of its own).
+            over_rows = [b for b, over in enumerate((~(certificate <= self.policy.tau)).any(-1).tolist()) if over]
+            if over_rows:
+                if bool(certificate[over_rows].isnan().any()):
+                    # The repair path recomputes these rows in torch, so the aggregator never sees this NaN.
+                    _log.error("decode returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows)
+                fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
+                repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
+                rows = torch.tensor(over_rows, device=self.device)
+                decoded = self._repair_rows(layer, over_rows, length, q[rows], sm_scale)
+                out[rows] = decoded.out.to(out.dtype)
+                certificate[rows], fallback[rows], repaired[rows] = (
+                    decoded.certificate,
+                    decoded.fallback,
+                    decoded.repaired_bytes,
                 )
-            self.fallback_total += fallback.sum()
-            self.repaired_bytes_total += repaired.sum()
+                self.fallback_total += fallback.sum()
+                self.repaired_bytes_total += repaired.sum()
         self.certificate_total += certificate.numel()
         if self.audit is not None:
             self.audit(self, layer, q.float(), certificate, sm_scale)
@@ -417,7 +429,10 @@ class WitcertCache(Cache):
     def _record(
         self, layer: int, certificate: torch.Tensor, fallback: torch.Tensor | None, repaired: torch.Tensor | None
     ) -> None:
-        """Copy one layer's certificates into the step buffers; report the step once its last layer is in."""
+        """Copy one layer's certificates into the step buffers; report the step once its last layer is in.
+
+        ``fallback`` and ``repaired`` are ``None`` in observe mode, and in gate mode when nothing was repaired.
+        """
         if layer != self._step_layers:
             if layer != 0:
                 raise RuntimeError(
@@ -425,11 +440,17 @@ class WitcertCache(Cache):
                     "reports a step per forward pass and needs its layers in order"
                 )
             self.flush_certificates()  # the previous step stopped before its last layer (its forward raised)
-        # Device copies: no host sync, no allocation, so a step costs one aggregator launch in all.
+        # Device copies: no host sync, no allocation, so a step costs one aggregator launch in all. A gated
+        # layer that repaired nothing (fallback None) costs nothing more unless its rows still hold a repair.
         self._step_certificates[layer].copy_(certificate)
         if self._step_fallbacks is not None:
-            self._step_fallbacks[layer].copy_(fallback)
-            self._step_repaired_bytes[layer].copy_(repaired)
+            if fallback is not None:
+                self._step_fallbacks[layer].copy_(fallback)
+                self._step_repaired_bytes[layer].copy_(repaired)
+            elif self._step_repairs_written[layer]:
+                self._step_fallbacks[layer].zero_()
+                self._step_repaired_bytes[layer].zero_()
+            self._step_repairs_written[layer] = fallback is not None
         self._step_layers = layer + 1
         if self._step_layers == self.num_layers:
             self.flush_certificates()
@@ -453,36 +474,43 @@ class WitcertCache(Cache):
             repaired_bytes=None if self._step_repaired_bytes is None else self._step_repaired_bytes[layers],
         )
 
-    def _repair_row(self, layer: int, b: int, length: int, q: torch.Tensor, sm_scale: float) -> SequenceDecode:
-        slots = self.slots(b, length)
+    def _repair_rows(
+        self, layer: int, batch_rows: list[int], length: int, q: torch.Tensor, sm_scale: float
+    ) -> RowsDecode:
+        """Recompute the rows ``batch_rows`` (queries ``q`` ``[R, H_q, D]``) on the repair path, all at once."""
+        slots = torch.stack([self.slots(b, length) for b in batch_rows])  # [R, S]
         host_slots = slots.cpu()
-        mask, exact_k, exact_v = self.repaired[layer].dense(slots)
+        store = self.repaired[layer]
+        mask, exact_k, exact_v = store.dense(slots.reshape(-1))
+        num_rows = len(batch_rows)
 
-        def fetch(positions: torch.Tensor, kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def fetch(
+            rows: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
-            picked = host_slots[positions.cpu()]
+            picked, heads = host_slots[rows.cpu(), positions.cpu()], kv_heads.cpu()
             return (
-                self.backup["k"][layer, picked, kv_head].to(self.device),
-                self.backup["v"][layer, picked, kv_head].to(self.device),
+                self.backup["k"][layer, picked, heads].to(self.device),
+                self.backup["v"][layer, picked, heads].to(self.device),
             )
 
-        row = certified_decode(
+        decoded = certified_decode_rows(
             q.float(),
-            self.pool.quantized(layer, slots, "k"),
-            self.pool.dequantize(layer, slots, "v"),
-            mask,
-            exact_k,
-            exact_v,
+            [self.pool.quantized(layer, row_slots, "k") for row_slots in slots],
+            self.pool.dequantize(layer, slots.reshape(-1), "v").view(num_rows, length, self.kv_heads, -1),
+            mask.view(num_rows, length, self.kv_heads),
+            exact_k.view(num_rows, length, self.kv_heads, -1),
+            exact_v.view(num_rows, length, self.kv_heads, -1),
             sm_scale=sm_scale,
             delta=self.delta,
             tau=self.policy.tau,
             fetch=fetch,
             block_size=self.policy.repair_block,
         )
-        for kv_head, positions, k_exact, v_exact in row.repaired_positions:
-            self.repaired[layer].add(slots[positions], kv_head, k_exact, v_exact)
-        return row
+        for rows, positions, kv_heads, k_exact, v_exact in decoded.repaired_pairs:
+            store.add(slots[rows, positions], kv_heads, k_exact, v_exact)
+        return decoded
 
 
 def witcert_attention(

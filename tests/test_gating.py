@@ -18,6 +18,7 @@ from witcert.integrations.gating import (
     GateMode,
     block_shares,
     certified_decode,
+    certified_decode_rows,
     exact_attention,
     merge_exact,
 )
@@ -49,14 +50,21 @@ class _Backup:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values
-        self.fetched: list[tuple[int, list[int]]] = []
+        self.fetched: list[list[tuple[int, int]]] = []  # one list of (position, kv_head) pairs per call
 
-    def __call__(self, positions: torch.Tensor, kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.fetched.append((kv_head, positions.tolist()))
-        return self.keys[positions, kv_head], self.values[positions, kv_head]
+    def __call__(self, positions: torch.Tensor, kv_heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.fetched.append(list(zip(positions.tolist(), kv_heads.tolist(), strict=True)))
+        return self.keys[positions, kv_heads], self.values[positions, kv_heads]
+
+    def blocks(self, call: int, block: int = BLOCK) -> dict[int, set[int]]:
+        """The blocks of each KV head paged in by one call."""
+        paged: dict[int, set[int]] = {}
+        for position, kv_head in self.fetched[call]:
+            paged.setdefault(kv_head, set()).add(position // block)
+        return paged
 
 
-def _decode(q, k_quant, v_hat, backup, tau, exact=None):
+def _decode(q, k_quant, v_hat, backup, tau, exact=None, block=BLOCK):
     mask, exact_k, exact_v = exact or (
         torch.zeros(S, H_KV, dtype=torch.bool),
         torch.zeros(S, H_KV, D),
@@ -73,7 +81,7 @@ def _decode(q, k_quant, v_hat, backup, tau, exact=None):
         delta=DELTA,
         tau=tau,
         fetch=backup if tau is not None else None,
-        block_size=BLOCK,
+        block_size=block,
     )
     return result, (mask, exact_k, exact_v)
 
@@ -102,24 +110,86 @@ def test_gate_stops_at_tau_pages_by_share_and_is_minimal():
     assert bool(gated.fallback.any())
     assert not torch.equal(mask, torch.ones_like(mask))  # stopped before paging in everything
     # Bytes: K and V rows in fp16, for exactly the rows fetched.
-    rows = sum(len(positions) for _, positions in backup.fetched)
+    rows = sum(len(pairs) for pairs in backup.fetched)
     assert int(gated.repaired_bytes.sum()) == rows * D * 2 * 2
-    # The first block paged in is the largest share of the first repaired head's bound.
+    # The first round pages in, for each KV head read by a head above tau, its block of largest share
+    # (summed over those heads).
     kv_of_q = torch.arange(H_Q) // (H_Q // H_KV)
-    first_head = int(gated.fallback.nonzero()[0])
     radius = reference.logit_radius(q, k_quant, sm_scale=SM_SCALE, delta=DELTA, kv_head_of_query=kv_of_q)
     probs = torch.softmax(SM_SCALE * torch.einsum("hd,shd->hs", q, k_quant.dequantize()[:, kv_of_q]), dim=-1)
-    shares = block_shares(probs[first_head], radius[first_head], torch.arange(S) // BLOCK, S // BLOCK)
-    assert backup.fetched[0] == (
-        int(kv_of_q[first_head]),
-        list(range(int(shares.argmax()) * BLOCK, (int(shares.argmax()) + 1) * BLOCK)),
-    )
-    # Minimal: without the last block paged in, some head would still be above tau.
-    last_head, last_positions = backup.fetched[-1]
+    shares = block_shares(probs, radius, torch.arange(S) // BLOCK, S // BLOCK)
+    over = observed.certificate > tau
+    expected = {
+        kv: {int(shares[over & (kv_of_q == kv)].sum(0).argmax())}
+        for kv in range(H_KV)
+        if bool(over[kv_of_q == kv].any())
+    }
+    assert backup.blocks(0) == expected
+    # Minimal: without the last round's blocks paged in, some head would still be above tau.
     without_last = mask.clone()
-    without_last[last_positions, last_head] = False
+    for position, kv_head in backup.fetched[-1]:
+        without_last[position, kv_head] = False
     replay, _ = _decode(q, k_quant, v_hat, None, None, exact=(without_last, exact_k, exact_v))
     assert bool((replay.certificate > tau).any())
+
+
+def _greedy_one_block_at_a_time(q, keys, k_quant, tau, block):
+    """The blocks per KV head that one-block-at-a-time repair pages in: the first head above tau gets its
+    block of largest share, then everything is recomputed (the order the round-based path must stay within
+    twice of)."""
+    kv_of_q = torch.arange(H_Q) // (H_Q // H_KV)
+    mask = torch.zeros(S, H_KV, dtype=torch.bool)
+    base_radius = reference.logit_radius(q, k_quant, sm_scale=SM_SCALE, delta=DELTA, kv_head_of_query=kv_of_q)
+    blocks = torch.arange(S) // block
+    paged = [0] * H_KV
+    while True:
+        k_eff = torch.where(mask[..., None], keys.float(), k_quant.dequantize())
+        probs = torch.softmax(SM_SCALE * torch.einsum("hd,shd->hs", q, k_eff[:, kv_of_q]), dim=-1)
+        radius = base_radius.masked_fill(mask.T[kv_of_q], 0.0)
+        certificate = reference.accumulate_certificate(probs, radius).certificate
+        over = ~(certificate <= tau)
+        if not bool(over.any()):
+            return paged
+        head = int(over.nonzero()[0])
+        kv = int(kv_of_q[head])
+        shares = block_shares(probs[head], radius[head], blocks, -(-S // block))
+        pending = torch.zeros_like(shares, dtype=torch.bool).index_fill_(0, blocks[~mask[:, kv]], True)
+        chosen = int(torch.where(pending, shares, -1.0).argmax())
+        mask[blocks == chosen, kv] = True
+        paged[kv] += 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rounds_page_in_at_most_twice_the_one_block_greedy(seed):
+    block = 4  # 24 blocks per KV head: room for several doubling rounds
+    q, keys, values, k_quant, v_hat = _head_inputs(seed=seed, sharpness=1.0 + seed % 3)
+    observed, _ = _decode(q, k_quant, v_hat, None, None, block=block)
+    kv_of_q = torch.arange(H_Q) // (H_Q // H_KV)
+    for tau in (float(observed.certificate.min()) / 4, float(observed.certificate.median()) * 0.9):
+        backup = _Backup(keys, values)
+        gated, (mask, exact_k, exact_v) = _decode(q, k_quant, v_hat, backup, tau, block=block)
+        assert bool((gated.certificate <= tau).all())
+        greedy = _greedy_one_block_at_a_time(q, keys, k_quant, tau, block)
+        rounds = len(backup.fetched)
+        assert rounds <= math.ceil(math.log2(S // block)) + 1
+        replay_mask = torch.zeros_like(mask)
+        paged = [0] * H_KV
+        for call in range(rounds):
+            # Each round pages in only for KV heads read by a head above tau at its start, and at most
+            # max(1, n) blocks of a KV head that has n already.
+            state, _ = _decode(q, k_quant, v_hat, None, None, exact=(replay_mask.clone(), exact_k, exact_v))
+            over_kv = {int(kv_of_q[h]) for h in (~(state.certificate <= tau)).nonzero().squeeze(-1).tolist()}
+            for kv, new_blocks in backup.blocks(call, block).items():
+                assert kv in over_kv
+                assert len(new_blocks) <= max(1, paged[kv])
+                paged[kv] += len(new_blocks)
+            for position, kv_head in backup.fetched[call]:
+                replay_mask[position, kv_head] = True
+        assert torch.equal(replay_mask, mask)
+        for kv in range(H_KV):
+            assert paged[kv] <= 2 * greedy[kv], (paged, greedy)
+        if sum(greedy) > 4:
+            assert rounds < sum(greedy)  # fewer recomputations than one block at a time
 
 
 def test_repaired_slots_are_never_paid_twice():
@@ -306,21 +376,22 @@ def test_repaired_rows_are_read_through_the_kernel_and_merge_at_the_next_step(mo
 
     def counting(*args, **kwargs):
         calls.append(kwargs["tau"])
-        return certified_decode(*args, **kwargs)
+        return certified_decode_rows(*args, **kwargs)
 
-    monkeypatch.setattr(transformers_cache, "certified_decode", counting)
+    monkeypatch.setattr(transformers_cache, "certified_decode_rows", counting)
     aggregator = CertificateAggregator(1, H_Q, tau=tau, stride=1, device="cpu")
     cache = WitcertCache(config, CachePolicy(mode="gate", tau=tau), max_cache_len=S, observer=aggregator)
     cache.layers[0].update(keys, values)
     reported = []
     cache.audit = lambda cache, layer, q, certificate, sm: reported.append(certificate.clone())
     first = cache.decode(0, query, SM_SCALE)
-    repaired_rows, fallbacks, repaired_bytes = len(calls), int(cache.fallback_total), int(cache.repaired_bytes_total)
-    assert 0 < repaired_rows and fallbacks > 0 and len(cache.repaired[0]) > 0
+    repair_calls, fallbacks, repaired_bytes = len(calls), int(cache.fallback_total), int(cache.repaired_bytes_total)
+    assert repair_calls == 1  # every row above tau goes to the repair path in one call
+    assert fallbacks > 0 and len(cache.repaired[0]) > 0
     assert bool(cache.repaired[0].skip.any())
 
     second = cache.decode(0, query, SM_SCALE)  # the next step, same query: the kernel skips what was repaired
-    assert len(calls) == repaired_rows  # no row went to the per-row repair path again
+    assert len(calls) == repair_calls  # no row went to the per-row repair path again
     assert bool((reported[1] <= tau).all())
     torch.testing.assert_close(second, first, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(reported[1], reported[0], rtol=1e-4, atol=1e-7)
@@ -337,10 +408,10 @@ def test_in_generation_the_repair_path_runs_only_to_page_in_something(monkeypatc
     decoded = []
 
     def counting(*args, **kwargs):
-        decoded.append(certified_decode(*args, **kwargs))
+        decoded.append(certified_decode_rows(*args, **kwargs))
         return decoded[-1]
 
-    monkeypatch.setattr(transformers_cache, "certified_decode", counting)
+    monkeypatch.setattr(transformers_cache, "certified_decode_rows", counting)
     reported = []
     cache = WitcertCache(
         model.config,
@@ -351,5 +422,59 @@ def test_in_generation_the_repair_path_runs_only_to_page_in_something(monkeypatc
     greedy_generate(model, prompt, cache, 9, min_new_tokens=9)
     assert len(decoded) > 0
     # A row reaches the repair path only when its merged certificate exceeds tau, so it always pages in.
-    assert all(bool(row.fallback.any()) for row in decoded)
+    assert all(bool(rows.fallback.any(-1).all()) for rows in decoded)
     assert bool((torch.cat(reported) <= 0.03).all())
+
+
+def test_a_head_that_stays_above_tau_with_every_token_exact_raises_rather_than_loops():
+    q, keys, values, k_quant, v_hat = _head_inputs(seed=2)
+    q[1, 0] = math.nan  # its certificate is NaN whatever gets paged in
+    backup = _Backup(keys, values)
+    with pytest.raises(RuntimeError, match="stay above tau"):
+        _decode(q, k_quant, v_hat, backup, 0.5)
+    paged = {pair for pairs in backup.fetched for pair in pairs}
+    assert {(position, 0) for position in range(S)} <= paged  # the NaN head's KV head was paged in entirely
+
+
+def test_rows_repaired_together_page_in_what_each_row_alone_would_in_as_many_rounds_as_the_longest():
+    inputs = [_head_inputs(seed=seed, sharpness=2.0 + seed) for seed in range(3)]
+    tau = 0.5 * min(
+        float(_decode(q, k_quant, v_hat, None, None)[0].certificate.median()) for q, _, _, k_quant, v_hat in inputs
+    )
+    alone, alone_rounds, alone_pages = [], [], []
+    for q, keys, values, k_quant, v_hat in inputs:
+        backup = _Backup(keys, values)
+        alone.append(_decode(q, k_quant, v_hat, backup, tau)[0])
+        alone_rounds.append(len(backup.fetched))
+        alone_pages.append({pair for pairs in backup.fetched for pair in pairs})
+
+    rounds: list[list[tuple[int, int, int]]] = []
+
+    def fetch(rows, positions, kv_heads):
+        rounds.append(list(zip(rows.tolist(), positions.tolist(), kv_heads.tolist(), strict=True)))
+        return (
+            torch.stack([inputs[r][1][p, h] for r, p, h in rounds[-1]]),
+            torch.stack([inputs[r][2][p, h] for r, p, h in rounds[-1]]),
+        )
+
+    together = certified_decode_rows(
+        torch.stack([q for q, *_ in inputs]),
+        [k_quant for *_, k_quant, _ in inputs],
+        torch.stack([v_hat for *_, v_hat in inputs]),
+        torch.zeros(3, S, H_KV, dtype=torch.bool),
+        torch.zeros(3, S, H_KV, D),
+        torch.zeros(3, S, H_KV, D),
+        sm_scale=SM_SCALE,
+        delta=DELTA,
+        tau=tau,
+        fetch=fetch,
+        block_size=BLOCK,
+    )
+    assert len(rounds) == max(alone_rounds) > 1
+    assert bool((together.certificate <= tau).all())
+    for r, row in enumerate(alone):
+        assert {(p, h) for pairs in rounds for rr, p, h in pairs if rr == r} == alone_pages[r]
+        torch.testing.assert_close(together.certificate[r], row.certificate, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(together.out[r], row.out, rtol=1e-5, atol=1e-6)
+        assert torch.equal(together.fallback[r], row.fallback)
+        assert torch.equal(together.repaired_bytes[r], row.repaired_bytes)

@@ -268,7 +268,7 @@ class WitcertAttnBackend(AttentionBackend):
     def _repair(
         self, layer: RadixAttention, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recompute, in place, every sequence with a head above tau from exact K/V paged in block by block."""
+        """Recompute, in place, every sequence with a head above tau from exact K/V paged in by blocks."""
         meta = self.forward_metadata
         local = layer.layer_id - self.pool.start_layer
         batch, heads = certificate.shape
@@ -279,8 +279,10 @@ class WitcertAttnBackend(AttentionBackend):
             pool = self.pool.witcert
             exact_mask, exact_k, exact_v = self.pool.repaired_rows(layer.layer_id, slots)
 
-            def fetch(positions: torch.Tensor, kv_head: int, slots=slots) -> tuple[torch.Tensor, torch.Tensor]:
-                return self.pool.exact_rows(layer.layer_id, slots[positions], kv_head)
+            def fetch(
+                positions: torch.Tensor, kv_heads: torch.Tensor, slots=slots
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.pool.exact_rows(layer.layer_id, slots[positions], kv_heads)
 
             decoded = certified_decode(
                 query[row].float(),
@@ -295,8 +297,8 @@ class WitcertAttnBackend(AttentionBackend):
                 fetch=fetch,
                 block_size=self.policy.repair_block,
             )
-            for kv_head, positions, _, _ in decoded.repaired_positions:
-                self.pool.mark_repaired(layer.layer_id, slots[positions], kv_head)
+            for positions, kv_heads, _, _ in decoded.repaired_positions:
+                self.pool.mark_repaired(layer.layer_id, slots[positions], kv_heads)
             out[row] = decoded.out.to(out.dtype)
             certificate[row] = decoded.certificate
             fallback[row] = decoded.fallback

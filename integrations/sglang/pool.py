@@ -185,15 +185,18 @@ class WitcertKVPool(MHATokenToKVPool):
             self.exact[0][local, host_loc] = k.to("cpu")
             self.exact[1][local, host_loc] = v.to("cpu")
 
-    def exact_rows(self, layer_id: int, slots: torch.Tensor, kv_head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K and V rows ``[n, D]`` of ``slots`` for one KV head, on the pool's device (gate mode only)."""
+    def exact_rows(
+        self, layer_id: int, slots: torch.Tensor, kv_heads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K and V rows ``[n, D]`` of the pairs ``(slots[i], kv_heads[i])``, on the pool's device (gate
+        mode only)."""
         if self.exact is None:
             raise RuntimeError("the exact backup is kept in gate mode only (WITCERT_MODE=gate)")
         local = layer_id - self.start_layer
-        host = slots.to("cpu", torch.int64)
+        host, heads = slots.to("cpu", torch.int64), kv_heads.to("cpu", torch.int64)
         return (
-            self.exact[0][local, host, kv_head].to(self.device),
-            self.exact[1][local, host, kv_head].to(self.device),
+            self.exact[0][local, host, heads].to(self.device),
+            self.exact[1][local, host, heads].to(self.device),
         )
 
     def repaired_rows(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,8 +217,8 @@ class WitcertKVPool(MHATokenToKVPool):
             exact_v[positions, heads] = self.exact[1][local, host_slots, host_heads].to(self.device)
         return mask, exact_k, exact_v
 
-    def mark_repaired(self, layer_id: int, slots: torch.Tensor, kv_head: int) -> None:
-        self.repaired[layer_id - self.start_layer, slots, kv_head] = True
+    def mark_repaired(self, layer_id: int, slots: torch.Tensor, kv_heads: torch.Tensor) -> None:
+        self.repaired[layer_id - self.start_layer, slots, kv_heads] = True
 
     # --- operations that would break the slot-keyed dither ----------------------------------------
 
