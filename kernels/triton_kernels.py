@@ -5,16 +5,14 @@ at decoration time whether it compiles or interprets (``TRITON_INTERPRET=1``), s
 be imported only once the caller has settled that.
 
 Exactness (docs/KERNELS.md): every dot product runs on operands that are exact in the 16-bit input
-type, with fp32 accumulation, so the kernel reproduces the float32 reference to rounding order:
+type, with fp32 accumulation, so the kernel reproduces the float32 reference up to float32 rounding:
 
-* ``q . k_hat = s * (q . code + q . (-xi))``: ``code`` in [-127, 127] and ``-xi = (255 - 2j) / 512``
-  (8-bit dithers) are both exact in fp16 and bf16; ``q`` is the model's fp16/bf16 query.
-* ``sum_t p_t s_t v_t``: the fp32 weight ``p_t s_t`` is split into three bf16 terms (24 bits), each
-  dotted with exact bf16 operands.
-
-Group scales are applied per (head, group) row: the query is laid out as ``[BLOCK_H * NG, D]`` with
-group ``g`` of head ``h`` in row ``h * NG + g`` and zeros elsewhere, so one dot yields every group's
-partial logit and a weighted sum over groups finishes the logit.
+* ``q_g . k_hat_g = s_g (q_g . code_g + q_g . (-xi_g))`` one channel group at a time: ``code`` in
+  [-127, 127] and ``-xi = (255 - 2j) / 512`` (8-bit dithers) are exact in fp16 and bf16; the group
+  scale multiplies whole columns of the ``[H, N]`` partial logits.
+* Output with V rounded to nearest: ``s * code = v_hi + v_lo`` exactly in fp16 and ``2**14 p~`` split
+  into fp16 ``p_hi + p_mid``, three fp16 dots. With V dithered: the fp32 weight ``p~_t s_t`` split into
+  three bf16 terms, batched over the groups against the exact bf16 codes and ``-xi``.
 """
 
 from __future__ import annotations
