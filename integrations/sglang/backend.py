@@ -2,10 +2,18 @@
 
 Decode: the new token's K/V are quantized into its slot, then the fused kernel
 (``witcert.kernels.decode_attention``) returns the output and a certificate per (sequence, head).
-In ``gate`` mode every sequence with a head above ``tau`` is recomputed on the repair path
-(``witcert.integrations.gating.certified_decode``), paging exact K/V in from the pool's host backup;
-slots repaired once stay exact for later steps (until SGLang reuses the slot). A sequence whose kernel
-certificate is within tau keeps the kernel's output, which that certificate covers.
+In ``gate`` mode the kernel skips the (slot, KV head) pairs repaired at earlier steps (the pool's
+``repaired`` mask); their exact K/V sit on the device in the pool's per-layer ``RepairedStore``, and
+the exact part over them is computed for the whole batch at once (``gating.exact_attention``: each
+pair goes to every row that reads its slot, several for a radix-shared prefix) and merged with the
+kernel's part, certificate included (``gating.merge_exact``). A sequence whose merged certificate is
+within tau keeps that output, which the certificate covers. The others are recomputed on the repair
+path, rows of equal length together (``gating.certified_decode_rows``), with the pairs already
+repaired read from the device store and new blocks paged in from the pool's host backup; the new
+pairs join the store. A pair stays exact until SGLang rewrites its slot (``set_kv_buffer`` clears
+its mask, and the store drops the entry at its next addition). Gate mode syncs with the host once per
+decode step (the batch's paging and how often a slot repeats in it) and once per layer (which rows
+exceed tau); observe and off modes never.
 Each layer's certificates (with fallbacks and repaired bytes in gate mode) are copied into per-step
 buffers ``[L, B_max, H_q]``; when the last layer of the step has written, this TP rank's
 ``CertificateAggregator`` counts the whole step in one ``observe_layers`` launch (not one per layer).
