@@ -11,9 +11,9 @@ many as it already has), all in one fetch, then recomputes the certificates once
 
 Later steps read those pairs exactly without the per-row path: the fused kernel skips them, the exact
 part over them is computed for the whole batch at once (``exact_attention``), and ``merge_exact``
-combines the two softmax parts and their certificate accumulators. The repair path is plain torch: in the
-transformers cache it runs once per layer, on the rows whose merged certificate exceeds tau. The SGLang
-backend does not merge yet: it recomputes on it every row whose kernel certificate exceeds tau.
+combines the two softmax parts and their certificate accumulators. The repair path is plain torch: it runs on
+the rows whose merged certificate exceeds tau, once per layer in the transformers cache, once per group
+of rows of equal length in the SGLang backend.
 """
 
 from __future__ import annotations

@@ -508,6 +508,162 @@ def test_gate_mode_repairs_heads_above_tau_from_the_exact_backup(monkeypatch):
     assert not bool(pool.repaired[0, slots[0]].any()) and bool(pool.repaired[0, slots[1]].all())
 
 
+def _reports(monkeypatch, backend) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """Every (certificate, fallback, repaired bytes) the backend records, one entry per decode layer call."""
+    reported = []
+    record = backend._record
+
+    def keep(local, certificate, fallback, repaired):
+        reported.append(tuple(None if x is None else x.clone() for x in (certificate, fallback, repaired)))
+        record(local, certificate, fallback, repaired)
+
+    monkeypatch.setattr(backend, "_record", keep)
+    return reported
+
+
+def _repair_calls(monkeypatch) -> list[int]:
+    """The rows handed to the repair path, one entry per call (the real function still runs)."""
+    calls = []
+    real = backend_module.certified_decode_rows
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "certified_decode_rows", counted)
+    return calls
+
+
+def _mixed_oracle(runner, layer: RadixAttention, query: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
+    """Float64 attention of each row (request ``b`` is row ``b``) over the slots it reads at layer 0: exact K/V
+    at the (slot, KV head) pairs the pool marks repaired, dequantized K/V elsewhere. ``[B, H_q, D]``."""
+    pool = runner.token_to_kv_pool
+    group = HEADS // KV_HEADS
+    outs = []
+    for row, length in enumerate(seq_lens):
+        slots = runner.req_to_token_pool.req_to_token[row, :length].long()
+        exact = pool.repaired[0, slots][..., None]
+        k, v = (
+            torch.where(exact, pool.exact[side][0, slots].double(), pool.witcert.dequantize(0, slots, name).double())
+            for side, name in ((0, "k"), (1, "v"))
+        )
+        q = query[row].view(HEADS, HEAD_DIM).double()
+        logits = layer.scaling * torch.einsum("hd,shd->hs", q, k.repeat_interleave(group, 1))
+        outs.append(torch.einsum("hs,shd->hd", logits.softmax(-1), v.repeat_interleave(group, 1)))
+    return torch.stack(outs)
+
+
+def _assert_relative(out: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
+    error = float((out.double().view_as(expected) - expected).abs().max())
+    assert error <= rtol * float(expected.abs().max()), f"max error {error:.3g} vs scale {expected.abs().max():.3g}"
+
+
+def test_gate_mode_reads_repaired_pairs_through_the_kernel_at_the_next_step(monkeypatch):
+    tau = 0.012  # between the certificates of these rows (about 0.013 to 0.017): some blocks repair, not all
+    monkeypatch.setenv("WITCERT_TAU", str(tau))
+    monkeypatch.setenv("WITCERT_REPAIR_BLOCK", "4")
+    case, runner, backend, layer, generator = _runner_and_backend(monkeypatch, "gate", (20, 25), ForwardMode.DECODE)
+    reported = _reports(monkeypatch, backend)
+    calls = _repair_calls(monkeypatch)
+    batch = _forward_batch(case, runner)
+    q, k, v = _new_tokens(case, generator)
+    q = q.float()  # fp16 values, but the output comes back in float32
+    backend.init_forward_metadata(batch)
+    first = backend.forward(q, k, v, layer, batch)
+    pool = runner.token_to_kv_pool
+    repaired = pool.repaired[0].clone()
+    assert sum(calls) == 2 and 0 < int(repaired.sum()) < KV_HEADS * sum(case.seq_lens)
+    assert bool(reported[-1][1].any()) and int(reported[-1][2].sum()) > 0
+
+    # The same step again (nothing written): the kernel skips the repaired pairs and the store's exact rows
+    # are merged in; no row goes back to the repair path, and nothing more is paged in.
+    calls.clear()
+    backend.init_forward_metadata(batch)
+    second = backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+    assert calls == []
+    certificate, fallback, repaired_bytes = reported[-1]
+    assert bool((certificate <= tau).all())
+    assert not bool(fallback.any()) and int(repaired_bytes.sum()) == 0
+    assert torch.equal(pool.repaired[0], repaired)
+    _assert_relative(second, first.double())
+    _assert_relative(second, _mixed_oracle(runner, layer, q, case.seq_lens))
+
+
+def test_a_slot_rewritten_after_its_repair_is_read_quantized_again(monkeypatch):
+    monkeypatch.setenv("WITCERT_TAU", "1e-4")  # every head repairs: every pair of the row ends up exact
+    case, runner, backend, layer, generator = _runner_and_backend(monkeypatch, "gate", (6,), ForwardMode.DECODE)
+    batch = _forward_batch(case, runner)
+    q, k, v = _new_tokens(case, generator)
+    q = q.float()
+    backend.init_forward_metadata(batch)
+    backend.forward(q, k, v, layer, batch)
+    pool = runner.token_to_kv_pool
+    store = pool.exact_store[0]
+    slots = torch.tensor([_slot(0, i) for i in range(case.seq_lens[0])])
+    assert bool(pool.repaired[0, slots].all()) and len(store) == KV_HEADS * len(slots)
+
+    # SGLang gives slot 2 to another token: its stale exact entry must not be read, the new code must.
+    stale = _mixed_oracle(runner, layer, q, case.seq_lens)
+    pool.set_kv_buffer(layer, slots[2:3], *(8 * torch.randn(2, 1, KV_HEADS, HEAD_DIM, generator=generator)).half())
+    assert not bool(pool.repaired[0, slots[2]].any()) and len(store) == KV_HEADS * len(slots)  # dead, not yet dropped
+    expected = _mixed_oracle(runner, layer, q, case.seq_lens)
+    assert float((expected - stale).abs().max()) > 1e-2 * float(expected.abs().max())  # the test can tell them apart
+    monkeypatch.setattr(backend, "policy", backend.policy.model_copy(update={"tau": 0.9}))  # no repair now
+    calls = _repair_calls(monkeypatch)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+    assert calls == []
+    _assert_relative(out, expected)
+
+    # Repaired again, the slot's new exact rows replace the dead entry (one entry per pair, never two).
+    monkeypatch.setattr(backend, "policy", backend.policy.model_copy(update={"tau": 1e-4}))
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+    assert calls == [1] and bool(pool.repaired[0, slots].all()) and len(store) == KV_HEADS * len(slots)
+    _assert_relative(out, _mixed_oracle(runner, layer, q, case.seq_lens))
+    held, exact_k, _ = store.dense(pool.repaired[0], slots)
+    assert bool(held.all()) and torch.equal(exact_k, pool.exact[0][0, slots])
+
+
+def test_gate_mode_output_is_attention_over_mixed_keys_with_a_shared_prefix(monkeypatch):
+    """Two requests share their first 8 slots (a radix-cache hit): a repaired shared pair is skipped by the
+    kernel for both rows, and both get its exact part."""
+    tau, shared = 0.012, 8
+    monkeypatch.setenv("WITCERT_TAU", str(tau))
+    monkeypatch.setenv("WITCERT_REPAIR_BLOCK", "4")
+    case, runner, backend, layer, generator = _runner_and_backend(monkeypatch, "gate", (20, 25), ForwardMode.DECODE)
+    reported = _reports(monkeypatch, backend)
+    calls = _repair_calls(monkeypatch)
+    pool = runner.token_to_kv_pool
+    req_to_token = runner.req_to_token_pool.req_to_token
+
+    def step(step_case: DenseAttentionCase) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = _forward_batch(step_case, runner)
+        req_to_token[1, :shared] = req_to_token[0, :shared]
+        q, k, v = _new_tokens(step_case, generator)
+        q = q.float()
+        backend.init_forward_metadata(batch)
+        return q, backend.forward(q, k, v, layer, batch)
+
+    q, out = step(case)
+    assert calls and bool(pool.repaired[0, req_to_token[0, :shared].long()].any())
+    _assert_relative(out, _mixed_oracle(runner, layer, q, case.seq_lens))
+
+    # The next token, above tau or not, through the kernel and the merge (and the repair path if it must).
+    calls.clear()
+    next_case = DenseAttentionCase(**{**case.__dict__, "prefix_lens": case.seq_lens})
+    q, out = step(next_case)
+    assert bool((reported[-1][0] <= tau).all())
+    _assert_relative(out, _mixed_oracle(runner, layer, q, next_case.seq_lens))
+
+    # With tau out of reach, nothing repairs: the output is the kernel's and the merge's alone.
+    calls.clear()
+    monkeypatch.setattr(backend, "policy", backend.policy.model_copy(update={"tau": 0.9}))
+    q, out = step(DenseAttentionCase(**{**case.__dict__, "prefix_lens": next_case.seq_lens}))
+    assert calls == []
+    _assert_relative(out, _mixed_oracle(runner, layer, q, tuple(n + 1 for n in next_case.seq_lens)))
+
+
 def test_each_tp_rank_streams_its_own_aggregator_to_the_collector(monkeypatch, collector):
     monkeypatch.setenv("WITCERT_COLLECTOR_ENDPOINT", f"http://127.0.0.1:{collector.ports.http}/v1/metrics")
     models = set()

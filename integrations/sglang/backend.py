@@ -2,10 +2,18 @@
 
 Decode: the new token's K/V are quantized into its slot, then the fused kernel
 (``witcert.kernels.decode_attention``) returns the output and a certificate per (sequence, head).
-In ``gate`` mode every sequence with a head above ``tau`` is recomputed on the repair path
-(``witcert.integrations.gating.certified_decode``), paging exact K/V in from the pool's host backup;
-slots repaired once stay exact for later steps (until SGLang reuses the slot). A sequence whose kernel
-certificate is within tau keeps the kernel's output, which that certificate covers.
+In ``gate`` mode the kernel skips the (slot, KV head) pairs repaired at earlier steps (the pool's
+``repaired`` mask); their exact K/V sit on the device in the pool's per-layer ``RepairedStore``, and
+the exact part over them is computed for the whole batch at once (``gating.exact_attention``: each
+pair goes to every row that reads its slot, several for a radix-shared prefix) and merged with the
+kernel's part, certificate included (``gating.merge_exact``). A sequence whose merged certificate is
+within tau keeps that output, which the certificate covers. The others are recomputed on the repair
+path, rows of equal length together (``gating.certified_decode_rows``), with the pairs already
+repaired read from the device store and new blocks paged in from the pool's host backup; the new
+pairs join the store. A pair stays exact until SGLang rewrites its slot (``set_kv_buffer`` clears
+its mask, and the store drops the entry at its next addition). Gate mode syncs with the host once per
+decode step (the batch's paging and how often a slot repeats in it) and once per layer (which rows
+exceed tau); observe and off modes never.
 Each layer's certificates (with fallbacks and repaired bytes in gate mode) are copied into per-step
 buffers ``[L, B_max, H_q]``; when the last layer of the step has written, this TP rank's
 ``CertificateAggregator`` counts the whole step in one ``observe_layers`` launch (not one per layer).
@@ -18,6 +26,7 @@ Extend (prefill, chunked prefill, prefix-cache hits): causal attention over the 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +38,14 @@ from sglang.srt.runtime_context import get_parallel
 
 from witcert.integrations.aggregator import CertificateAggregator
 from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
-from witcert.integrations.gating import GateMode, certified_decode
+from witcert.integrations.gating import (
+    ExactPart,
+    GateMode,
+    RowsDecode,
+    certified_decode_rows,
+    exact_attention,
+    merge_exact,
+)
 from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
 from witcert.integrations.sglang.pool import WitcertKVPool
@@ -44,12 +60,27 @@ logger = logging.getLogger("witcert.sglang")
 
 
 @dataclass
+class SlotRows:
+    """Where a decode batch reads each slot, for gate mode: ``kv_indices`` sorted, with each entry's batch row.
+
+    A slot may appear in several rows (a prefix shared through the radix cache), at most ``multiplicity``
+    times; ``indptr`` is ``kv_indptr`` on the host.
+    """
+
+    sorted_slots: torch.Tensor  # [T]
+    sorted_rows: torch.Tensor  # [T]
+    multiplicity: int
+    indptr: list[int]
+
+
+@dataclass
 class WitcertForwardMetadata:
     """Paging of one batch: sequence ``b`` reads slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     qo_indptr: torch.Tensor | None  # extend only: query rows of each sequence
+    slot_rows: SlotRows | None = None  # gate-mode decode only
 
 
 class WitcertAttnBackend(AttentionBackend):
@@ -145,9 +176,24 @@ class WitcertAttnBackend(AttentionBackend):
         if mode.is_extend():
             qo_indptr = torch.zeros_like(kv_indptr)
             torch.cumsum(forward_batch.extend_seq_lens.to(self.device, torch.int64), 0, out=qo_indptr[1:])
-        self.forward_metadata = WitcertForwardMetadata(kv_indptr, kv_indices, qo_indptr)
+        slot_rows = None
+        if mode.is_decode() and self.policy.mode is GateMode.GATE:
+            slot_rows = self._slot_rows(kv_indptr, kv_indices)
+        self.forward_metadata = WitcertForwardMetadata(kv_indptr, kv_indices, qo_indptr, slot_rows)
         if mode.is_decode() and self.stream is not None:
             self.stream.poll()
+
+    def _slot_rows(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> SlotRows:
+        """Gate mode, once per decode step: one host sync, for ``kv_indptr`` and the largest multiplicity."""
+        total = kv_indices.numel()
+        batch = kv_indptr.numel() - 1
+        rows = torch.repeat_interleave(torch.arange(batch, device=self.device), kv_indptr.diff(), output_size=total)
+        sorted_slots, order = kv_indices.sort(stable=True)
+        runs = torch.searchsorted(sorted_slots, sorted_slots, right=True)
+        runs -= torch.searchsorted(sorted_slots, sorted_slots)  # how many entries hold each entry's slot
+        most = torch.cat((runs, runs.new_zeros(1))).max()  # 0 for an empty batch
+        *indptr, multiplicity = torch.cat((kv_indptr, most[None])).tolist()
+        return SlotRows(sorted_slots, rows[order], multiplicity, indptr)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise WitcertStartupError(
@@ -194,6 +240,7 @@ class WitcertAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         local = layer.layer_id - self.pool.start_layer
         mode = self.policy.mode
+        gate = mode is GateMode.GATE
         result = decode_attention(
             query,
             self.pool.witcert,
@@ -203,10 +250,15 @@ class WitcertAttnBackend(AttentionBackend):
             sm_scale=layer.scaling,
             delta_step=self.delta_step,
             certificate=mode is not GateMode.OFF,
+            skip=self.pool.repaired[local] if gate else None,
         )
         out, certificate = result.out, result.certificate
         fallback = repaired = None
-        if mode is GateMode.GATE:
+        if gate:
+            exact = self._exact_part(local, query, layer.scaling)
+            if exact is not None:
+                merged = merge_exact(out, result.lse, result.accumulators, certificate, exact)
+                out, certificate = merged.out, merged.certificate
             fallback, repaired = self._repair(layer, query, out, certificate)
         if self.aggregator is not None:
             self._record(local, certificate, fallback, repaired)
@@ -265,45 +317,102 @@ class WitcertAttnBackend(AttentionBackend):
         finally:
             self.stream.close()
 
+    def _exact_part(self, local: int, query: torch.Tensor, sm_scale: float) -> ExactPart | None:
+        """Attention of the batch over its repaired (slot, KV head) pairs, from the layer's device store.
+
+        Every store entry is paired with each batch row that reads its slot (``multiplicity`` copies, the
+        unused ones and the dead entries sent to an extra row that is then dropped): no host sync, no
+        Python loop over rows. ``None`` when the store is empty.
+        """
+        store = self.pool.exact_store[local]
+        slot_rows = self.forward_metadata.slot_rows
+        copies = slot_rows.multiplicity
+        if len(store) == 0 or copies == 0:
+            return None
+        batch = query.shape[0]
+        sorted_slots = slot_rows.sorted_slots
+        first = torch.searchsorted(sorted_slots, store.slot)[:, None] + torch.arange(copies, device=self.device)
+        at = first.clamp_max(sorted_slots.numel() - 1)  # [n, copies]
+        hit = (first < sorted_slots.numel()) & (sorted_slots[at] == store.slot[:, None])
+        hit &= store.live(self.pool.repaired[local])[:, None]
+        row = torch.where(hit, slot_rows.sorted_rows[at], batch).reshape(-1)
+        keys, values, kv_head = store.keys, store.values, store.kv_head
+        if copies > 1:
+            entry = torch.arange(len(store), device=self.device).repeat_interleave(copies)
+            keys, values, kv_head = keys[entry], values[entry], kv_head[entry]
+        exact = exact_attention(
+            torch.cat((query, query.new_zeros(1, *query.shape[1:]))),
+            keys,
+            values,
+            row,
+            kv_head,
+            num_kv_heads=self.pool.head_num,
+            sm_scale=sm_scale,
+        )
+        return ExactPart(**{field.name: getattr(exact, field.name)[:batch] for field in dataclasses.fields(exact)})
+
     def _repair(
         self, layer: RadixAttention, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recompute, in place, every sequence with a head above tau from exact K/V paged in by blocks."""
-        meta = self.forward_metadata
-        local = layer.layer_id - self.pool.start_layer
+        """Recompute, in place, every sequence with a head above tau from exact K/V paged in by blocks.
+
+        One host sync (which rows are above tau); rows of equal length are recomputed together.
+        """
+        indptr = self.forward_metadata.slot_rows.indptr
         batch, heads = certificate.shape
         fallback = torch.zeros(batch, heads, dtype=torch.bool, device=self.device)
         repaired = torch.zeros(batch, heads, dtype=torch.int64, device=self.device)
-        for row in (~(certificate <= self.policy.tau)).any(-1).nonzero().squeeze(-1).tolist():
-            slots = meta.kv_indices[int(meta.kv_indptr[row]) : int(meta.kv_indptr[row + 1])]
-            pool = self.pool.witcert
-            exact_mask, exact_k, exact_v = self.pool.repaired_rows(layer.layer_id, slots)
-
-            def fetch(
-                positions: torch.Tensor, kv_heads: torch.Tensor, slots=slots
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-                return self.pool.exact_rows(layer.layer_id, slots[positions], kv_heads)
-
-            decoded = certified_decode(
-                query[row].float(),
-                pool.quantized(local, slots, "k"),
-                pool.dequantize(local, slots, "v"),
-                exact_mask,
-                exact_k,
-                exact_v,
-                sm_scale=layer.scaling,
-                delta=self.delta_step,
-                tau=self.policy.tau,
-                fetch=fetch,
-                block_size=self.policy.repair_block,
-            )
-            for positions, kv_heads, _, _ in decoded.repaired_positions:
-                self.pool.mark_repaired(layer.layer_id, slots[positions], kv_heads)
-            out[row] = decoded.out.to(out.dtype)
-            certificate[row] = decoded.certificate
-            fallback[row] = decoded.fallback
-            repaired[row] = decoded.repaired_bytes
+        by_length: dict[int, list[int]] = {}
+        for row, over in enumerate((~(certificate <= self.policy.tau)).any(-1).tolist()):
+            if over:
+                by_length.setdefault(indptr[row + 1] - indptr[row], []).append(row)
+        for length, rows in by_length.items():
+            decoded = self._repair_rows(layer, query, rows, length)
+            index = torch.tensor(rows, device=self.device)
+            out[index] = decoded.out.to(out.dtype)
+            certificate[index] = decoded.certificate
+            fallback[index] = decoded.fallback
+            repaired[index] = decoded.repaired_bytes
         return fallback, repaired
+
+    def _repair_rows(self, layer: RadixAttention, query: torch.Tensor, rows: list[int], length: int) -> RowsDecode:
+        """``certified_decode_rows`` over batch rows ``rows``, all ``length`` tokens long.
+
+        Pairs repaired at earlier steps come from the device store; new ones from the host backup, and
+        join the store (``mark_repaired``).
+        """
+        meta = self.forward_metadata
+        local = layer.layer_id - self.pool.start_layer
+        starts = torch.tensor([meta.slot_rows.indptr[row] for row in rows], device=self.device)
+        slots = meta.kv_indices[starts[:, None] + torch.arange(length, device=self.device)]  # [R, S]
+        pool = self.pool.witcert
+        exact_mask, exact_k, exact_v = self.pool.exact_store[local].dense(self.pool.repaired[local], slots.reshape(-1))
+        shape = (len(rows), length, self.pool.head_num)
+
+        def fetch(
+            cells: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.pool.exact_rows(layer.layer_id, slots[cells, positions], kv_heads)
+
+        decoded = certified_decode_rows(
+            query[torch.tensor(rows, device=self.device)].float(),
+            [pool.quantized(local, row_slots, "k") for row_slots in slots],
+            pool.dequantize(local, slots.reshape(-1), "v").view(*shape, -1),
+            exact_mask.view(shape),
+            exact_k.view(*shape, -1),
+            exact_v.view(*shape, -1),
+            sm_scale=layer.scaling,
+            delta=self.delta_step,
+            tau=self.policy.tau,
+            fetch=fetch,
+            block_size=self.policy.repair_block,
+        )
+        if decoded.repaired_pairs:
+            cells, positions, kv_heads, k_exact, v_exact = (
+                torch.cat(part) for part in zip(*decoded.repaired_pairs, strict=True)
+            )
+            self.pool.mark_repaired(layer.layer_id, slots[cells, positions], kv_heads, k_exact, v_exact)
+        return decoded
 
     def forward_extend(
         self,
