@@ -391,7 +391,7 @@ def merge_exact(
 
     zero = torch.zeros((), dtype=lse_q.dtype, device=lse_q.device)
     kernel = reference.CertificateAccumulators(
-        *(torch.where(q_live, x, zero) for x in dataclasses.astuple(accumulators))
+        *(torch.where(q_live, getattr(accumulators, f.name), zero) for f in dataclasses.fields(accumulators))
     )
     # The kernel's argmax logit; the exact part holds the merged argmax when its largest logit is above it.
     max_q = torch.where(q_live, lse_q + torch.log(kernel.p_max), -math.inf)
