@@ -6,8 +6,8 @@ A head whose certificate exceeds ``tau`` is repaired: the bound decomposes over 
 removes that block's share. ``certified_decode_rows`` repairs a batch of rows in rounds: each round pages
 in, for every (row, KV head) read by a head above ``tau``, its blocks of largest share (1, 1, 2, 4, ...: as
 many as it already has), all in one fetch, then recomputes the certificates once, until none exceeds
-``tau`` (``certified_decode``: the same for one row). Repaired
-(slot, KV head) pairs are handed back to the caller to keep: a request pays for each slot at most once.
+``tau``. Repaired (slot, KV head) pairs are handed back to the caller to keep: a request pays for each
+slot at most once.
 
 Later steps read those pairs exactly without the per-row path: the fused kernel skips them, the exact
 part over them is computed for the whole batch at once (``exact_attention``), and ``merge_exact``
@@ -63,11 +63,6 @@ class CachePolicy(BaseModel):
         return reference.delta_step(num_layers, num_q_heads, delta_req=self.delta_req, horizon=self.horizon)
 
 
-ExactFetch = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``fetch(positions, kv_heads) -> (k, v)``: the exact rows ``[n, D]`` of one sequence's (token, KV head) pairs
-``(positions[i], kv_heads[i])``, from the host backup: one call per repair round."""
-
-
 RowsFetch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``fetch(rows, positions, kv_heads) -> (k, v)``: the exact rows ``[n, D]`` of the (token, KV head) pairs
 ``(positions[i], kv_heads[i])`` of batch rows ``rows[i]``, from the host backup: one call per repair round."""
@@ -83,18 +78,6 @@ class RowsDecode:
     repaired_bytes: torch.Tensor  # [R, H_q] int64: bytes paged in on this head's behalf
     # One entry per repair round: (rows, positions, kv_heads [n], k, v [n, D]) of the pairs paged in.
     repaired_pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class SequenceDecode:
-    """One sequence's decode step at one layer through the certified torch path."""
-
-    out: torch.Tensor  # [H_q, D] float32
-    certificate: torch.Tensor  # [H_q] float32, after any repair
-    fallback: torch.Tensor  # [H_q] bool: this head was above tau at the start of some repair round
-    repaired_bytes: torch.Tensor  # [H_q] int64: bytes paged in on this head's behalf
-    # One entry per repair round: (positions [n], kv_heads [n], k [n, D], v [n, D]) of the pairs paged in.
-    repaired_positions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def block_shares(
@@ -123,56 +106,6 @@ def _largest_pending(
     order = torch.where(pending, shares, -1.0).argsort(dim=-1, descending=True, stable=True)
     rank = torch.arange(num_blocks, device=shares.device)
     return torch.zeros_like(pending).scatter_(-1, order, (rank < budget[:, None]) & pending.gather(-1, order))
-
-
-def certified_decode(
-    q: torch.Tensor,
-    keys: reference.QuantizedKV,
-    values: torch.Tensor,
-    exact_mask: torch.Tensor,
-    exact_keys: torch.Tensor,
-    exact_values: torch.Tensor,
-    *,
-    sm_scale: float,
-    delta: float,
-    tau: float | None,
-    fetch: ExactFetch | None,
-    block_size: int,
-) -> SequenceDecode:
-    """Decode one sequence at one layer over ``S`` tokens, with certificates, repairing heads above ``tau``.
-
-    ``q`` ``[H_q, D]``; ``keys`` the quantized K of the ``S`` slots; ``values`` the dequantized V
-    ``[S, H_kv, D]``; ``exact_mask`` ``[S, H_kv]`` marks tokens already repaired, whose exact rows are in
-    ``exact_keys`` / ``exact_values`` ``[S, H_kv, D]`` (ignored elsewhere) and whose radius is zero.
-    ``tau=None`` observes only. The inputs ``exact_*`` are updated in place with what gets paged in.
-    The repair and its guarantee are those of ``certified_decode_rows``, for a batch of one row.
-    """
-
-    def fetch_row(
-        rows: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return fetch(positions, kv_heads)
-
-    decoded = certified_decode_rows(
-        q[None],
-        [keys],
-        values[None],
-        exact_mask[None],
-        exact_keys[None],
-        exact_values[None],
-        sm_scale=sm_scale,
-        delta=delta,
-        tau=tau,
-        fetch=None if fetch is None else fetch_row,
-        block_size=block_size,
-    )
-    return SequenceDecode(
-        out=decoded.out[0],
-        certificate=decoded.certificate[0],
-        fallback=decoded.fallback[0],
-        repaired_bytes=decoded.repaired_bytes[0],
-        repaired_positions=[(positions, kv_heads, k, v) for _, positions, kv_heads, k, v in decoded.repaired_pairs],
-    )
 
 
 def certified_decode_rows(

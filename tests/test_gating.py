@@ -4,6 +4,7 @@ pairs are read exactly through the kernel + merge path afterwards."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from witcert.integrations.gating import (
     ExactPart,
     GateMode,
     block_shares,
-    certified_decode,
     certified_decode_rows,
     exact_attention,
     merge_exact,
@@ -65,25 +65,30 @@ class _Backup:
 
 
 def _decode(q, k_quant, v_hat, backup, tau, exact=None, block=BLOCK):
+    """``certified_decode_rows`` on a batch of one row; returns row 0's out, certificate, fallback, bytes."""
     mask, exact_k, exact_v = exact or (
         torch.zeros(S, H_KV, dtype=torch.bool),
         torch.zeros(S, H_KV, D),
         torch.zeros(S, H_KV, D),
     )
-    result = certified_decode(
-        q,
-        k_quant,
-        v_hat,
-        mask,
-        exact_k,
-        exact_v,
+    result = certified_decode_rows(
+        q[None],
+        [k_quant],
+        v_hat[None],
+        mask[None],
+        exact_k[None],
+        exact_v[None],
         sm_scale=SM_SCALE,
         delta=DELTA,
         tau=tau,
-        fetch=backup if tau is not None else None,
+        fetch=None if tau is None else (lambda rows, positions, kv_heads: backup(positions, kv_heads)),
         block_size=block,
     )
-    return result, (mask, exact_k, exact_v)
+    row = SimpleNamespace(
+        out=result.out[0], certificate=result.certificate[0], fallback=result.fallback[0],
+        repaired_bytes=result.repaired_bytes[0],
+    )  # fmt: skip
+    return row, (mask, exact_k, exact_v)
 
 
 def test_block_shares_sum_to_t1():
