@@ -18,7 +18,6 @@ of rows of equal length in the SGLang backend.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -232,16 +231,13 @@ def certified_decode_rows(
 
 @dataclass
 class ExactPart:
-    """Attention over the exactly read (repaired) tokens alone: ``out`` ``[B, H_q, D]``, the rest ``[B, H_q]``.
+    """Attention over the exactly read (repaired) tokens alone: ``out`` ``[B, H_q, D]``, ``lse`` ``[B, H_q]``.
 
-    A head with no such token has ``lse = max_logit = -inf``, ``out = 0`` and ``p_max = p_rest = 0``.
+    A head with no such token has ``lse = -inf`` and ``out = 0``.
     """
 
     out: torch.Tensor
     lse: torch.Tensor  # natural log of sum_t exp(z_t) over the exact tokens
-    max_logit: torch.Tensor  # m_e: the largest exact logit
-    p_max: torch.Tensor  # exp(m_e - lse)
-    p_rest: torch.Tensor  # the other exact tokens' share, summed without cancellation (not 1 - p_max)
 
 
 def exact_attention(
@@ -275,18 +271,11 @@ def exact_attention(
     total = torch.zeros_like(max_logit).index_add_(0, segment, weights)
     weighted = torch.zeros(cells, group, head_dim, dtype=dtype, device=q.device)
     weighted.index_add_(0, segment, weights[:, :, None] * values.to(dtype)[:, None, :])
-    # The share of all but one largest token: every other weight, plus the ties of the largest (weight 1).
-    top = weights == 1.0
-    others = torch.zeros_like(max_logit).index_add_(0, segment, torch.where(top, 0.0, weights))
-    ties = torch.zeros_like(max_logit).index_add_(0, segment, top.to(dtype))
     live = total > 0
     safe_total = torch.where(live, total, 1.0)
     return ExactPart(
         out=(weighted / safe_total[:, :, None]).reshape(batch, num_q_heads, head_dim),
         lse=torch.where(live, max_logit + torch.log(safe_total), -math.inf).reshape(batch, num_q_heads),
-        max_logit=max_logit.reshape(batch, num_q_heads),
-        p_max=torch.where(live, 1.0 / safe_total, 0.0).reshape(batch, num_q_heads),
-        p_rest=torch.where(live, (others + (ties - 1.0).clamp_min(0.0)) / safe_total, 0.0).reshape(batch, num_q_heads),
     )
 
 
@@ -309,10 +298,11 @@ def merge_exact(
     """Merge the kernel's part over the quantized tokens with the exact part over the repaired ones.
 
     ``out_q``, ``lse_q``, ``accumulators`` and ``certificate_q`` are the kernel's outputs over the tokens
-    it read, normalized by its own ``lse_q``. Exact tokens have radius 0, so they add nothing to
-    ``A1_rest`` or ``B_rest``; only the weights and the held-apart argmax change (THEORY.md section 6).
-    A head with no quantized token gets certificate 0; a head with no exact token keeps the kernel's
-    values. An overflowed (+inf) accumulator stays +inf, never NaN.
+    it read, normalized by its own ``lse_q``. The token held apart stays the kernel's argmax (section 3
+    holds for any held token, THEORY.md section 6): exact tokens have radius 0, so they add only their
+    mass ``w_e`` to ``P_rest`` and nothing to the other rest sums, and the certificate is never looser
+    than holding the overall argmax apart. A head with no quantized token gets certificate 0; a head with
+    no exact token keeps the kernel's values. An overflowed (+inf) accumulator stays +inf, never NaN.
     """
     q_live = lse_q > -math.inf
     e_live = exact.lse > -math.inf
@@ -323,31 +313,14 @@ def merge_exact(
     out = w_q[..., None] * out_q + w_e[..., None] * exact.out
 
     zero = torch.zeros((), dtype=lse_q.dtype, device=lse_q.device)
-    kernel = reference.CertificateAccumulators(
-        *(torch.where(q_live, getattr(accumulators, f.name), zero) for f in dataclasses.fields(accumulators))
-    )
-    # The kernel's argmax logit; the exact part holds the merged argmax when its largest logit is above it.
-    max_q = torch.where(q_live, lse_q + torch.log(kernel.p_max), -math.inf)
-    exact_holds = e_live & (exact.max_logit > max_q)
-    # Exact argmax: the kernel's argmax token joins the rest sums, and the exact part's other tokens
-    # (radius 0) only add their mass. Kernel argmax: every exact token joins the rest with radius 0.
-    p_q, u_q = kernel.p_max, kernel.u_max
-    held = exact_holds
-    merged_acc = reference.CertificateAccumulators(
-        a1_rest=reference._mul_nonneg(
-            w_q, torch.where(held, kernel.a1_rest + reference._mul_nonneg(p_q, torch.expm1(u_q)), kernel.a1_rest)
-        ),
-        b_rest=reference._mul_nonneg(
-            w_q,
-            torch.where(held, kernel.b_rest + reference._mul_nonneg(p_q, reference.expm1_minus_x(u_q)), kernel.b_rest),
-        ),
-        u_rest=reference._mul_nonneg(
-            w_q, torch.where(held, kernel.u_rest + reference._mul_nonneg(p_q, u_q), kernel.u_rest)
-        ),
-        p_rest=torch.where(held, w_q * (kernel.p_rest + p_q) + w_e * exact.p_rest, w_q * kernel.p_rest + w_e),
-        p_max=torch.where(held, w_e * exact.p_max, w_q * p_q),
-        u_max=torch.where(held, zero, u_q),
-    )
-    merged = merged_acc.certificate
+    kernel = accumulators
+    merged = reference.CertificateAccumulators(
+        a1_rest=reference._mul_nonneg(w_q, kernel.a1_rest),
+        b_rest=reference._mul_nonneg(w_q, kernel.b_rest),
+        u_rest=reference._mul_nonneg(w_q, kernel.u_rest),
+        p_rest=w_q * kernel.p_rest + w_e,
+        p_max=w_q * kernel.p_max,
+        u_max=kernel.u_max,
+    ).certificate
     certificate = torch.where(e_live, torch.where(q_live, merged, zero), certificate_q)
     return MergedDecode(out=out, lse=lse, certificate=certificate)

@@ -520,12 +520,15 @@ class CertificateAccumulators:
         return self.terms.certificate
 
 
-def accumulate_certificate(probs: torch.Tensor, radius: torch.Tensor) -> CertificateAccumulators:
+def accumulate_certificate(
+    probs: torch.Tensor, radius: torch.Tensor, held: torch.Tensor | None = None
+) -> CertificateAccumulators:
     """The accumulators from the kernel's softmax ``probs`` and radii ``radius``, both ``[..., S]``.
 
-    ``m`` is the first argmax of ``probs`` (the argmax of the logits).
+    ``m`` is the first argmax of ``probs`` (the argmax of the logits), or the index ``held`` ``[...]``:
+    section 3's bounds hold for any token held apart (THEORY.md section 6 uses that).
     """
-    argmax = probs.argmax(-1, keepdim=True)
+    argmax = probs.argmax(-1, keepdim=True) if held is None else held[..., None].to(torch.int64)
     p_max = probs.gather(-1, argmax).squeeze(-1)
     u_max = radius.gather(-1, argmax).squeeze(-1)
     not_max = torch.ones_like(probs, dtype=torch.bool).scatter(-1, argmax, False)

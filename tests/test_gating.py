@@ -270,7 +270,7 @@ def test_policy_rejects_bad_knobs():
 def _mixed_oracle(q, pool, keys, values, skip, rows, length):
     """float64 attention over mixed keys: exact K/V at the skipped pairs (radius 0), dequantized elsewhere."""
     kv_of_q = torch.arange(H_Q) // (H_Q // H_KV)
-    outs, lses, certificates, exact_argmax = [], [], [], []
+    outs, lses, certificates, overall, exact_argmax = [], [], [], [], []
     for b in range(rows):
         slots = torch.arange(b * length, (b + 1) * length)
         exact = skip[slots]  # [S, H_kv]
@@ -284,9 +284,13 @@ def _mixed_oracle(q, pool, keys, values, skip, rows, length):
         ).masked_fill(exact.T[kv_of_q], 0.0)
         outs.append(torch.einsum("hs,shd->hd", probs, v_mix[:, kv_of_q]))
         lses.append(torch.logsumexp(logits, dim=-1))
-        certificates.append(reference.accumulate_certificate(probs, radius).certificate)
+        # The merge holds the quantized tokens' argmax apart; also the overall argmax, to compare.
+        quantized_argmax = logits.masked_fill(exact.T[kv_of_q], -math.inf).argmax(-1)
+        certificates.append(reference.accumulate_certificate(probs, radius, held=quantized_argmax).certificate)
+        overall.append(reference.accumulate_certificate(probs, radius).certificate)
         exact_argmax.append(exact.T[kv_of_q].gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1))
-    return torch.stack(outs), torch.stack(lses), torch.stack(certificates), torch.stack(exact_argmax)
+    stack = torch.stack
+    return stack(outs), stack(lses), stack(certificates), stack(overall), stack(exact_argmax)
 
 
 def test_kernel_plus_exact_merge_equals_attention_over_mixed_keys():
@@ -319,7 +323,7 @@ def test_kernel_plus_exact_merge_equals_attention_over_mixed_keys():
     )
     merged = merge_exact(kernel.out, kernel.lse, kernel.accumulators, kernel.certificate, exact)
 
-    out, lse, certificate, exact_argmax = _mixed_oracle(q, pool, keys, values, skip, rows, length)
+    out, lse, certificate, overall, exact_argmax = _mixed_oracle(q, pool, keys, values, skip, rows, length)
     torch.testing.assert_close(merged.out.double(), out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(merged.lse.double(), lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged.certificate.double(), certificate, rtol=1e-4, atol=0.0)
@@ -329,6 +333,8 @@ def test_kernel_plus_exact_merge_equals_attention_over_mixed_keys():
     assert bool((merged.certificate[only_exact] == 0).all())
     assert bool(exact_argmax[2, 0]) and bool((certificate[exact_argmax & ~only_exact] > 0).all())
     assert bool((~exact_argmax).any())
+    # Holding the quantized argmax apart is never looser than holding the overall argmax apart.
+    assert bool((certificate <= overall * (1 + 1e-9)).all())
     no_exact = torch.zeros(rows, H_Q, dtype=torch.bool)
     no_exact[1, H_Q // H_KV :] = True
     assert torch.equal(merged.certificate[no_exact], kernel.certificate[no_exact])
@@ -337,9 +343,8 @@ def test_kernel_plus_exact_merge_equals_attention_over_mixed_keys():
 
 def test_merge_of_an_overflowed_accumulator_is_inf_never_nan():
     shape = (1, 2)
-    zero, one = torch.zeros(shape), torch.ones(shape)
-    # Head 0: the exact part holds the argmax, so the kernel's overflowed argmax term joins the rest sums.
-    # Head 1: the kernel's part holds it, and its rest sum overflowed.
+    zero = torch.zeros(shape)
+    # Head 0: the kernel's held-apart token has an overflowing radius. Head 1: its rest sums overflowed.
     accumulators = reference.CertificateAccumulators(
         a1_rest=torch.tensor([[0.1, math.inf]]),
         b_rest=torch.tensor([[0.01, math.inf]]),
@@ -348,10 +353,7 @@ def test_merge_of_an_overflowed_accumulator_is_inf_never_nan():
         p_max=torch.tensor([[0.5, 0.5]]),
         u_max=torch.tensor([[1e4, 0.1]]),
     )
-    exact = ExactPart(
-        out=torch.zeros(1, 2, 3), lse=zero.clone(), max_logit=torch.tensor([[5.0, -5.0]]), p_max=one.clone(),
-        p_rest=zero.clone(),
-    )  # fmt: skip
+    exact = ExactPart(out=torch.zeros(1, 2, 3), lse=zero.clone())
     merged = merge_exact(torch.zeros(1, 2, 3), zero.clone(), accumulators, zero.clone(), exact)
     assert torch.equal(merged.certificate, torch.full(shape, math.inf))
 
