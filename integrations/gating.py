@@ -229,6 +229,78 @@ def certified_decode_rows(
     )
 
 
+class RepairedStore:
+    """Exact K/V rows of one layer's repaired (slot, KV head) pairs, kept on the device.
+
+    Entry ``n`` holds the exact ``keys[n]``, ``values[n]`` ``[D]`` of pair ``(slot[n], kv_head[n])``;
+    entries are sorted by ``slot * H_kv + kv_head`` and name distinct pairs. The caller keeps the layer's
+    mask ``repaired`` ``[num_slots, H_kv]`` of held pairs (the kernel's ``skip``) and marks the pairs it
+    adds; an entry counts only while that mask holds its pair, so clearing the mask of a rewritten slot
+    (SGLang's ``set_kv_buffer``) makes its entries dead, and ``add`` drops every dead entry before it
+    appends. Between two ``add`` calls only the caller's marking after ``add`` sets the mask, so a live
+    pair never has a stale entry beside it.
+
+    Size: at most one entry per (slot, KV head) pair of the layer (``add`` deduplicates). Cost:
+    ``2 * D * itemsize + 16`` device bytes per repaired pair and layer (exact K and V rows in the model's
+    dtype, two int64 indices): 528 B for D = 128 in fp16, against the ``2 * (D + 2 D/G)`` = 272 B of its
+    int8 cells (G = 32). ``add`` briefly holds the old and the new arrays together.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.kv_heads = kv_heads
+        self.slot = torch.empty(0, dtype=torch.int64, device=device)
+        self.kv_head = torch.empty(0, dtype=torch.int64, device=device)
+        self.keys = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty(0, head_dim, dtype=dtype, device=device)
+
+    def __len__(self) -> int:
+        return self.slot.shape[0]  # known on the host: no sync
+
+    def live(self, repaired: torch.Tensor) -> torch.Tensor:
+        """``[n]`` bool: the entries whose pair ``repaired`` (the layer's ``[num_rows, H_kv]`` mask) still holds."""
+        return repaired[self.slot, self.kv_head]
+
+    def add(
+        self,
+        repaired: torch.Tensor,
+        slots: torch.Tensor,
+        kv_heads: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Drop the dead entries, then keep the exact rows ``k``, ``v`` ``[n, D]`` of the pairs
+        ``(slots[i], kv_heads[i])`` (a pair already held, or given twice, is kept once). ``repaired``: the
+        layer's mask before these pairs are marked. Two host syncs (the sizes of what is kept)."""
+        keep = self.live(repaired).nonzero().squeeze(-1)
+        slot = torch.cat((self.slot[keep], slots.to(self.slot)))
+        kv_head = torch.cat((self.kv_head[keep], kv_heads.to(self.kv_head)))
+        key, order = (slot * self.kv_heads + kv_head).sort(stable=True)
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[1:] = key[1:] != key[:-1]
+        order = order[first]
+        self.slot, self.kv_head = slot[order], kv_head[order]
+        self.keys = torch.cat((self.keys[keep], k.to(self.keys)))[order]
+        self.values = torch.cat((self.values[keep], v.to(self.values)))[order]
+
+    def dense(self, repaired: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For ``slots`` ``[P]`` (repeats allowed): which pairs are repaired ``[P, H_kv]`` (``repaired``: the
+        layer's mask), and their exact K and V ``[P, H_kv, D]`` from this store (zero elsewhere). No host sync."""
+        wanted = slots[:, None] * self.kv_heads + torch.arange(self.kv_heads, device=slots.device)
+        if len(self) == 0:
+            empty = torch.zeros(*wanted.shape, self.keys.shape[1], dtype=self.keys.dtype, device=slots.device)
+            return torch.zeros_like(wanted, dtype=torch.bool), empty, empty.clone()
+        key = self.slot * self.kv_heads + self.kv_head
+        index = torch.searchsorted(key, wanted).clamp_max(len(self) - 1)
+        # A dead entry (its slot rewritten) may still sit here: the mask decides, and names only held pairs.
+        held = (key[index] == wanted) & repaired[slots]
+        zero = torch.zeros((), dtype=self.keys.dtype, device=slots.device)
+        return (
+            held,
+            torch.where(held[..., None], self.keys[index], zero),
+            torch.where(held[..., None], self.values[index], zero),
+        )
+
+
 @dataclass
 class ExactPart:
     """Attention over the exactly read (repaired) tokens alone: ``out`` ``[B, H_q, D]``, ``lse`` ``[B, H_q]``.

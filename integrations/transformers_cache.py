@@ -39,6 +39,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from witcert.integrations.gating import (
     CachePolicy,
     GateMode,
+    RepairedStore,
     RowsDecode,
     certified_decode_rows,
     exact_attention,
@@ -68,52 +69,6 @@ class DecodeAudit(Protocol):
     def __call__(
         self, cache: WitcertCache, layer: int, query: torch.Tensor, certificate: torch.Tensor, sm_scale: float
     ) -> None: ...
-
-
-class _RepairedSlots:
-    """Exact K/V rows of repaired (slot, KV head) pairs of one layer, kept on the compute device.
-
-    ``skip`` ``[num_slots, H_kv]`` marks the pairs held here: the fused kernel leaves them out and
-    ``gating.exact_attention`` reads them from ``keys`` / ``values`` (pair ``n`` is ``(slot[n], kv_head[n])``,
-    of batch row ``batch_row[n]``).
-    Pairs are only ever added: a ``WitcertCache`` serves one request and never frees or reorders slots.
-    """
-
-    def __init__(
-        self, num_slots: int, slots_per_row: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
-    ):
-        self.slots_per_row = slots_per_row
-        self.row_of = torch.full((num_slots, kv_heads), -1, dtype=torch.int64, device=device)
-        self.skip = torch.zeros(num_slots, kv_heads, dtype=torch.bool, device=device)
-        self.slot = torch.empty(0, dtype=torch.int64, device=device)
-        self.batch_row = torch.empty(0, dtype=torch.int64, device=device)  # slot // slots_per_row, kept per pair
-        self.kv_head = torch.empty(0, dtype=torch.int64, device=device)
-        self.keys = torch.empty(0, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty(0, head_dim, dtype=dtype, device=device)
-
-    def __len__(self) -> int:
-        return self.keys.shape[0]  # known on the host: no sync
-
-    def add(self, slots: torch.Tensor, kv_heads: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep the exact rows ``k``, ``v`` ``[n, D]`` of the pairs ``(slots[i], kv_heads[i])``."""
-        first = len(self)
-        self.row_of[slots, kv_heads] = torch.arange(first, first + slots.numel(), device=self.row_of.device)
-        self.skip[slots, kv_heads] = True
-        self.slot = torch.cat((self.slot, slots.to(self.slot)))
-        self.batch_row = torch.cat((self.batch_row, slots.to(self.batch_row) // self.slots_per_row))
-        self.kv_head = torch.cat((self.kv_head, kv_heads.to(self.kv_head)))
-        self.keys = torch.cat((self.keys, k.to(self.keys)))
-        self.values = torch.cat((self.values, v.to(self.values)))
-
-    def dense(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(mask [S, H_kv], keys [S, H_kv, D], values [S, H_kv, D])`` for a sequence's slots."""
-        rows = self.row_of[slots]
-        mask = rows >= 0
-        safe = rows.clamp_min(0)
-        if len(self) == 0:
-            empty = torch.zeros(*rows.shape, self.keys.shape[1], dtype=self.keys.dtype, device=rows.device)
-            return mask, empty, empty.clone()
-        return mask, self.keys[safe], self.values[safe]
 
 
 class WitcertLayer(CacheLayerMixin):
@@ -193,7 +148,9 @@ class WitcertCache(Cache):
         self.repaired_bytes_total = torch.zeros((), dtype=torch.int64)
         self.pool: KVPool | None = None
         self.backup: dict[str, torch.Tensor] | None = None
-        self.repaired: list[_RepairedSlots] = []
+        # Gate mode, per layer: the repaired (slot, KV head) pairs (the kernel's skip mask) and their exact rows.
+        self.skip: list[torch.Tensor] = []
+        self.repaired: list[RepairedStore] = []
         self._returned: tuple[int, torch.Tensor] | None = None
         # Every layer of a decode step reads the same slots: build the page table once per (batch, length).
         self._page_table: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
@@ -252,9 +209,12 @@ class WitcertCache(Cache):
                 )
                 for kind in ("k", "v")
             }
+        # Pairs are only ever added: a WitcertCache serves one request and never frees or reorders slots.
+        self.skip = [
+            torch.zeros(num_slots, kv_heads, dtype=torch.bool, device=self.device) for _ in range(self.num_layers)
+        ]
         self.repaired = [
-            _RepairedSlots(num_slots, self.max_cache_len, kv_heads, head_dim, self.device, self.cache_dtype)
-            for _ in range(self.num_layers)
+            RepairedStore(kv_heads, head_dim, self.device, self.cache_dtype) for _ in range(self.num_layers)
         ]
         if self.observer is not None and self.policy.mode is not GateMode.OFF:
             shape = (self.num_layers, batch, self.num_q_heads)
@@ -316,7 +276,7 @@ class WitcertCache(Cache):
 
     def _read_back(self, layer: int, batch_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         slots = self.slots(batch_index, length)
-        mask, exact_k, exact_v = self.repaired[layer].dense(slots)
+        mask, exact_k, exact_v = self.repaired[layer].dense(self.skip[layer], slots)
         k = torch.where(mask[..., None], exact_k.float(), self.pool.dequantize(layer, slots, "k"))
         v = torch.where(mask[..., None], exact_v.float(), self.pool.dequantize(layer, slots, "v"))
         return k, v
@@ -370,7 +330,8 @@ class WitcertCache(Cache):
         mode = self.policy.mode
         q = query.to(self.cache_dtype).contiguous()
         kv_indptr, kv_indices = self._page_table_for(batch, length)
-        store = self.repaired[layer] if mode is GateMode.GATE else None
+        gate = mode is GateMode.GATE
+        store = self.repaired[layer]
         result = decode_attention(
             q,
             self.pool,
@@ -380,7 +341,7 @@ class WitcertCache(Cache):
             sm_scale=sm_scale,
             delta_step=self.delta,
             certificate=mode is not GateMode.OFF,
-            skip=None if store is None else store.skip,
+            skip=self.skip[layer] if gate else None,
         )
         out, certificate = result.out, result.certificate
         if layer == 0:
@@ -388,13 +349,13 @@ class WitcertCache(Cache):
         if mode is GateMode.OFF:
             return out
         fallback = repaired = None
-        if mode is GateMode.GATE:
+        if gate:
             if len(store):
                 exact = exact_attention(
                     q,
                     store.keys,
                     store.values,
-                    store.batch_row,
+                    store.slot // self.max_cache_len,  # batch row b owns slots [b * max_cache_len, ...)
                     store.kv_head,
                     num_kv_heads=self.kv_heads,
                     sm_scale=sm_scale,
@@ -481,7 +442,7 @@ class WitcertCache(Cache):
         slots = torch.stack([self.slots(b, length) for b in batch_rows])  # [R, S]
         host_slots = slots.cpu()
         store = self.repaired[layer]
-        mask, exact_k, exact_v = store.dense(slots.reshape(-1))
+        mask, exact_k, exact_v = store.dense(self.skip[layer], slots.reshape(-1))
         num_rows = len(batch_rows)
 
         def fetch(
@@ -508,8 +469,12 @@ class WitcertCache(Cache):
             fetch=fetch,
             block_size=self.policy.repair_block,
         )
-        for rows, positions, kv_heads, k_exact, v_exact in decoded.repaired_pairs:
-            store.add(slots[rows, positions], kv_heads, k_exact, v_exact)
+        if decoded.repaired_pairs:
+            rows, positions, kv_heads, k_exact, v_exact = (
+                torch.cat(part) for part in zip(*decoded.repaired_pairs, strict=True)
+            )
+            store.add(self.skip[layer], slots[rows, positions], kv_heads, k_exact, v_exact)
+            self.skip[layer][slots[rows, positions], kv_heads] = True
         return decoded
 
 

@@ -474,8 +474,8 @@ def _decode_stage1(
         base = slots * NUM_KV_HEADS + kv_head
         if HAS_SKIP:
             token_ok = token_ok & (tl.load(Skip + base, mask=token_ok, other=1) == 0)
-        # QK one channel group at a time with 16-row dots: the group scale multiplies whole columns,
-        # so nothing is reduced across lanes, and the radius accumulates on the same [H, N] layout.
+        # QK one channel group at a time, [BLOCK_H, G] x [G, N] dots: the group scale multiplies whole
+        # columns, so nothing is reduced across lanes, and the radius accumulates on the same [H, N] layout.
         logits = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         sigma_sq = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         bias = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)

@@ -395,7 +395,7 @@ def test_repaired_rows_are_read_through_the_kernel_and_merge_at_the_next_step(mo
     repair_calls, fallbacks, repaired_bytes = len(calls), int(cache.fallback_total), int(cache.repaired_bytes_total)
     assert repair_calls == 1  # every row above tau goes to the repair path in one call
     assert fallbacks > 0 and len(cache.repaired[0]) > 0
-    assert bool(cache.repaired[0].skip.any())
+    assert bool(cache.skip[0].any())
 
     second = cache.decode(0, query, SM_SCALE)  # the next step, same query: the kernel skips what was repaired
     assert len(calls) == repair_calls  # no row went to the per-row repair path again

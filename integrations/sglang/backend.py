@@ -26,7 +26,6 @@ Extend (prefill, chunked prefill, prefix-cache hits): causal attention over the 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -349,7 +348,7 @@ class WitcertAttnBackend(AttentionBackend):
             num_kv_heads=self.pool.head_num,
             sm_scale=sm_scale,
         )
-        return ExactPart(**{field.name: getattr(exact, field.name)[:batch] for field in dataclasses.fields(exact)})
+        return ExactPart(out=exact.out[:batch], lse=exact.lse[:batch])
 
     def _repair(
         self, layer: RadixAttention, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor

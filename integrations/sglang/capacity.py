@@ -4,7 +4,7 @@ SGLang sizes its KV pool as ``available bytes // cell size`` (bytes per token ov
 witcert pool stores, per layer, per side (K, V) and per KV head of a token: ``D`` int8 codes,
 ``D / G`` fp16 group scales and ``2m`` outlier values in the model's 16-bit dtype. The exact backup
 used by gate mode lives in host memory and costs no device bytes; the device copy of repaired pairs
-(``pool.RepairedStore``) is not counted here.
+(``gating.RepairedStore``) is not counted here.
 """
 
 from __future__ import annotations
