@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from witcert.kernels import reference
+from witcert.kernels import KVPool, reference
 
 
 class GateMode(StrEnum):
@@ -299,6 +299,51 @@ class RepairedStore:
             torch.where(held[..., None], self.keys[index], zero),
             torch.where(held[..., None], self.values[index], zero),
         )
+
+
+def repair_pool_rows(
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    slots: torch.Tensor,
+    store: RepairedStore,
+    skip: torch.Tensor,
+    fetch: RowsFetch,
+    *,
+    sm_scale: float,
+    delta: float,
+    tau: float,
+    block_size: int,
+) -> RowsDecode:
+    """``certified_decode_rows`` over rows of ``pool``'s ``layer``: ``q`` ``[R, H_q, D]``, ``slots`` ``[R, S]``.
+
+    Pairs held in ``store`` (marked in ``skip``, the layer's ``[num_slots, H_kv]`` mask) are read exactly
+    from it; the pairs the repair pages in through ``fetch`` join ``store`` and are marked in ``skip``, so
+    later steps read them through the kernel's skip and ``merge_exact``. One ``store.add`` per call.
+    """
+    num_rows, length = slots.shape
+    mask, exact_k, exact_v = store.dense(skip, slots.reshape(-1))
+    shape = (num_rows, length, pool.kv_heads)
+    decoded = certified_decode_rows(
+        q.float(),
+        [pool.quantized(layer, row_slots, "k") for row_slots in slots],
+        pool.dequantize(layer, slots.reshape(-1), "v").view(*shape, -1),
+        mask.view(shape),
+        exact_k.view(*shape, -1),
+        exact_v.view(*shape, -1),
+        sm_scale=sm_scale,
+        delta=delta,
+        tau=tau,
+        fetch=fetch,
+        block_size=block_size,
+    )
+    if decoded.repaired_pairs:
+        rows, positions, kv_heads, k_exact, v_exact = (
+            torch.cat(part) for part in zip(*decoded.repaired_pairs, strict=True)
+        )
+        store.add(skip, slots[rows, positions], kv_heads, k_exact, v_exact)
+        skip[slots[rows, positions], kv_heads] = True
+    return decoded
 
 
 @dataclass

@@ -41,9 +41,9 @@ from witcert.integrations.gating import (
     GateMode,
     RepairedStore,
     RowsDecode,
-    certified_decode_rows,
     exact_attention,
     merge_exact,
+    repair_pool_rows,
 )
 from witcert.kernels import KVPool, decode_attention, reference
 
@@ -441,9 +441,6 @@ class WitcertCache(Cache):
         """Recompute the rows ``batch_rows`` (queries ``q`` ``[R, H_q, D]``) on the repair path, all at once."""
         slots = torch.stack([self.slots(b, length) for b in batch_rows])  # [R, S]
         host_slots = slots.cpu()
-        store = self.repaired[layer]
-        mask, exact_k, exact_v = store.dense(self.skip[layer], slots.reshape(-1))
-        num_rows = len(batch_rows)
 
         def fetch(
             rows: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
@@ -456,26 +453,19 @@ class WitcertCache(Cache):
                 self.backup["v"][layer, picked, heads].to(self.device),
             )
 
-        decoded = certified_decode_rows(
-            q.float(),
-            [self.pool.quantized(layer, row_slots, "k") for row_slots in slots],
-            self.pool.dequantize(layer, slots.reshape(-1), "v").view(num_rows, length, self.kv_heads, -1),
-            mask.view(num_rows, length, self.kv_heads),
-            exact_k.view(num_rows, length, self.kv_heads, -1),
-            exact_v.view(num_rows, length, self.kv_heads, -1),
+        return repair_pool_rows(
+            q,
+            self.pool,
+            layer,
+            slots,
+            self.repaired[layer],
+            self.skip[layer],
+            fetch,
             sm_scale=sm_scale,
             delta=self.delta,
             tau=self.policy.tau,
-            fetch=fetch,
             block_size=self.policy.repair_block,
         )
-        if decoded.repaired_pairs:
-            rows, positions, kv_heads, k_exact, v_exact = (
-                torch.cat(part) for part in zip(*decoded.repaired_pairs, strict=True)
-            )
-            store.add(self.skip[layer], slots[rows, positions], kv_heads, k_exact, v_exact)
-            self.skip[layer][slots[rows, positions], kv_heads] = True
-        return decoded
 
 
 def witcert_attention(

@@ -11,7 +11,7 @@ import torch
 from generation import greedy_generate
 from transformers import LlamaConfig
 
-from witcert.integrations import transformers_cache
+from witcert.integrations import gating
 from witcert.integrations.aggregator import CertificateAggregator
 from witcert.integrations.gating import (
     CachePolicy,
@@ -385,7 +385,7 @@ def test_repaired_rows_are_read_through_the_kernel_and_merge_at_the_next_step(mo
         calls.append(kwargs["tau"])
         return certified_decode_rows(*args, **kwargs)
 
-    monkeypatch.setattr(transformers_cache, "certified_decode_rows", counting)
+    monkeypatch.setattr(gating, "certified_decode_rows", counting)
     aggregator = CertificateAggregator(1, H_Q, tau=tau, stride=1, device="cpu")
     cache = WitcertCache(config, CachePolicy(mode="gate", tau=tau), max_cache_len=S, observer=aggregator)
     cache.layers[0].update(keys, values)
@@ -418,7 +418,7 @@ def test_in_generation_the_repair_path_runs_only_to_page_in_something(monkeypatc
         decoded.append(certified_decode_rows(*args, **kwargs))
         return decoded[-1]
 
-    monkeypatch.setattr(transformers_cache, "certified_decode_rows", counting)
+    monkeypatch.setattr(gating, "certified_decode_rows", counting)
     reported = []
     cache = WitcertCache(
         model.config,

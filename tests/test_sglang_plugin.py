@@ -48,6 +48,7 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
     TinyModelConfig,
 )
 
+from witcert.integrations import gating  # noqa: E402
 from witcert.integrations.aggregator import CertificateAggregator  # noqa: E402
 from witcert.integrations.sglang import backend as backend_module  # noqa: E402
 from witcert.integrations.sglang import plugin  # noqa: E402
@@ -524,13 +525,13 @@ def _reports(monkeypatch, backend) -> list[tuple[torch.Tensor, torch.Tensor | No
 def _repair_calls(monkeypatch) -> list[int]:
     """The rows handed to the repair path, one entry per call (the real function still runs)."""
     calls = []
-    real = backend_module.certified_decode_rows
+    real = gating.certified_decode_rows
 
     def counted(q, *args, **kwargs):
         calls.append(q.shape[0])
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(backend_module, "certified_decode_rows", counted)
+    monkeypatch.setattr(gating, "certified_decode_rows", counted)
     return calls
 
 

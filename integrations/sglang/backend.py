@@ -41,9 +41,9 @@ from witcert.integrations.gating import (
     ExactPart,
     GateMode,
     RowsDecode,
-    certified_decode_rows,
     exact_attention,
     merge_exact,
+    repair_pool_rows,
 )
 from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
@@ -375,43 +375,34 @@ class WitcertAttnBackend(AttentionBackend):
         return fallback, repaired
 
     def _repair_rows(self, layer: RadixAttention, query: torch.Tensor, rows: list[int], length: int) -> RowsDecode:
-        """``certified_decode_rows`` over batch rows ``rows``, all ``length`` tokens long.
+        """``gating.repair_pool_rows`` over batch rows ``rows``, all ``length`` tokens long.
 
-        Pairs repaired at earlier steps come from the device store; new ones from the host backup, and
-        join the store (``mark_repaired``).
+        Pairs repaired at earlier steps come from the pool's device store; new ones from the host backup,
+        and join the store and the pool's ``repaired`` mask.
         """
         meta = self.forward_metadata
         local = layer.layer_id - self.pool.start_layer
         starts = torch.tensor([meta.slot_rows.indptr[row] for row in rows], device=self.device)
         slots = meta.kv_indices[starts[:, None] + torch.arange(length, device=self.device)]  # [R, S]
-        pool = self.pool.witcert
-        exact_mask, exact_k, exact_v = self.pool.exact_store[local].dense(self.pool.repaired[local], slots.reshape(-1))
-        shape = (len(rows), length, self.pool.head_num)
 
         def fetch(
             cells: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return self.pool.exact_rows(layer.layer_id, slots[cells, positions], kv_heads)
 
-        decoded = certified_decode_rows(
-            query[torch.tensor(rows, device=self.device)].float(),
-            [pool.quantized(local, row_slots, "k") for row_slots in slots],
-            pool.dequantize(local, slots.reshape(-1), "v").view(*shape, -1),
-            exact_mask.view(shape),
-            exact_k.view(*shape, -1),
-            exact_v.view(*shape, -1),
+        return repair_pool_rows(
+            query[torch.tensor(rows, device=self.device)],
+            self.pool.witcert,
+            local,
+            slots,
+            self.pool.exact_store[local],
+            self.pool.repaired[local],
+            fetch,
             sm_scale=layer.scaling,
             delta=self.delta_step,
             tau=self.policy.tau,
-            fetch=fetch,
             block_size=self.policy.repair_block,
         )
-        if decoded.repaired_pairs:
-            cells, positions, kv_heads, k_exact, v_exact = (
-                torch.cat(part) for part in zip(*decoded.repaired_pairs, strict=True)
-            )
-            self.pool.mark_repaired(layer.layer_id, slots[cells, positions], kv_heads, k_exact, v_exact)
-        return decoded
 
     def forward_extend(
         self,

@@ -207,15 +207,6 @@ class WitcertKVPool(MHATokenToKVPool):
             self.exact[1][local, host, heads].to(self.device),
         )
 
-    def mark_repaired(
-        self, layer_id: int, slots: torch.Tensor, kv_heads: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Mark the pairs ``(slots[i], kv_heads[i])`` repaired and keep their exact rows ``k``, ``v`` ``[n, D]``
-        (what the repair fetched) in the layer's device store; one host sync (``RepairedStore.add``)."""
-        local = layer_id - self.start_layer
-        self.exact_store[local].add(self.repaired[local], slots, kv_heads, k, v)
-        self.repaired[local, slots, kv_heads] = True
-
     # --- operations that would break the slot-keyed dither ----------------------------------------
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
