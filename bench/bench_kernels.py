@@ -8,7 +8,8 @@ replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
   ``[B, H_kv, S, D]`` with the cuDNN backend (GQA through ``enable_gqa``);
 * ``fp16_kernel``: our split-KV kernel over a paged fp16 cache (the same structure as ours, no quantization);
 * ``int8_nocert`` / ``int8_cert``: our int8 dithered kernel without / with the certificate
-  (``v_dither`` as given: K is always dithered);
+  (``v_dither`` as given: K is always dithered), stage 1 in Gluon where it applies
+  (``kernels/gluon_decode.py``); ``triton_nocert`` / ``triton_cert``: the same with the Triton stage 1;
 
 Inputs are rotated among enough copies that each timed call reads at least 512 MB, so the L2 (60 MB)
 cannot serve them. Bandwidth = bytes the variant must read (K and V codes, scales, indices; fp16
@@ -93,8 +94,10 @@ def bench_decode(batch: int, context: int, v_dither: bool, delta: float) -> dict
         i = next_copy()
         decode_attention_fp16(q[i], k_cache, v_cache, indptr, indices[i], out=out)
 
-    def int8(certificate: bool):
+    def int8(certificate: bool, gluon: bool):
         def run() -> None:
+            # Read when the graph is captured: each variant records its own stage 1.
+            LAUNCH.gluon = gluon
             i = next_copy()
             decode_attention(q[i], pool, 0, indptr, indices[i], delta_step=delta, out=out, certificate=certificate)
 
@@ -104,14 +107,17 @@ def bench_decode(batch: int, context: int, v_dither: bool, delta: float) -> dict
     for name, fn, nbytes in (
         ("sdpa_cudnn", sdpa, fp16_bytes),
         ("fp16_kernel", fp16_kernel, fp16_bytes + tokens * 4),
-        ("int8_nocert", int8(False), int8_bytes),
-        ("int8_cert", int8(True), int8_bytes),
+        ("int8_nocert", int8(False, True), int8_bytes),
+        ("int8_cert", int8(True, True), int8_bytes),
+        ("triton_nocert", int8(False, False), int8_bytes),
+        ("triton_cert", int8(True, False), int8_bytes),
     ):
         try:
             ms = _median_ms(fn)
             row[name] = {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
         except Exception as error:  # a backend refusing a shape is a result to report, not a crash
             row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    LAUNCH.gluon = True
     return row
 
 
@@ -195,7 +201,7 @@ def main() -> None:
                 row["v_dither"] = v_dither
                 results["decode"].append(row)
                 cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in
-                         ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert")]  # fmt: skip
+                         ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert", "triton_nocert", "triton_cert")]  # fmt: skip
                 print(f"v_dither={v_dither} B={batch} S={context}: " + " ".join(cells), flush=True)
                 torch.cuda.empty_cache()
                 # Rewritten after every row: a run stopped at its time limit keeps what it measured.

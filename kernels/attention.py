@@ -37,6 +37,8 @@ class LaunchConfig:
     num_stages: int = 2
     # A register cap for the int8 kernel (ptxas .maxnreg): more programs per SM against spills.
     maxnreg: int | None = None
+    # The Gluon stage 1 (kernels/gluon_decode.py) where it covers the call; False forces the Triton one.
+    gluon: bool = True
 
 
 # Module-level so an engine (or the benchmark) can retune once; read at every launch.
@@ -127,6 +129,20 @@ def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int,
     return out
 
 
+def gluon_supports(q: torch.Tensor, pool: KVPool) -> bool:
+    """Whether the Gluon stage 1 covers decode on this pool (``gluon_decode.supports``, 32-bit offsets)."""
+    from witcert.kernels import gluon_decode
+
+    return pool.codes[0, 0].numel() < 2**31 and gluon_decode.supports(
+        q_dtype=q.dtype,
+        head_dim=pool.head_dim,
+        group_size=pool.group_size,
+        dither_bits=pool.dither_bits,
+        v_dither=pool.v_dither,
+        outliers=pool.num_outliers,
+    )
+
+
 def _run_triton(
     q: torch.Tensor,
     pool: KVPool,
@@ -160,16 +176,7 @@ def _run_triton(
     stats = torch.empty(_STATS if certificate else 1, rows, num_q_heads, dtype=torch.float32, device=device)
     q = q if q.stride(2) == 1 else q.contiguous()
     outliers = pool.num_outliers > 0
-    kernels._decode_stage1[(rows, head_blocks, num_kv_splits)](
-        q,
-        pool.codes[layer, 0],
-        pool.scales[layer, 0],
-        pool.outlier_values[layer, 0],
-        pool.codes[layer, 1],
-        pool.scales[layer, 1],
-        pool.outlier_values[layer, 1],
-        pool.outlier_index[layer],
-        pool._outlier_channels_i32[layer],
+    stage1_args = (
         kv_start,
         kv_len,
         kv_indices,
@@ -184,28 +191,63 @@ def _run_triton(
         sm_scale,
         math.log(2.0 / delta_step) if certificate else 0.0,
         reference.fp_slack(pool.dither_bits),
-        pool.seed,
-        layer,
-        NUM_KV_HEADS=pool.kv_heads,
-        KV_GROUP=kv_group,
-        BLOCK_H=block_h,
-        BLOCK_N=LAUNCH.block_n,
-        HEAD_DIM=head_dim,
-        GROUP_SIZE=pool.group_size,
-        DITHER_BITS=pool.dither_bits,
-        V_DITHER=pool.v_dither,
-        HAS_OUTLIERS=outliers,
-        OUTLIERS_PAD=max(2, _pow2(pool.num_outliers)),
-        NUM_OUTLIERS=max(1, pool.num_outliers),
-        CERTIFICATE=certificate,
-        HAS_SKIP=skip is not None,
-        OFFSETS_64=pool.codes[layer, 0].numel() >= 2**31,
-        NUM_SPLITS=num_kv_splits,
-        INTERPRETED=device.type != "cuda",
-        num_warps=LAUNCH.num_warps,
-        num_stages=LAUNCH.num_stages,
-        **({"maxnreg": LAUNCH.maxnreg} if LAUNCH.maxnreg and device.type == "cuda" else {}),
     )
+    use_gluon = device.type == "cuda" and LAUNCH.gluon and gluon_supports(q, pool)
+    if use_gluon:
+        from witcert.kernels import gluon_decode
+
+        grid = (rows, pool.kv_heads * -(-kv_group // gluon_decode.HEADS), num_kv_splits)
+        gluon_decode._decode_stage1_gluon[grid](
+            q,
+            pool.codes[layer, 0],
+            pool.scales[layer, 0],
+            pool.codes[layer, 1],
+            pool.scales[layer, 1],
+            *stage1_args,
+            pool.seed & 0xFFFFFFFF,
+            pool.seed >> 32,
+            layer,
+            NUM_KV_HEADS=pool.kv_heads,
+            KV_GROUP=kv_group,
+            CERTIFICATE=certificate,
+            HAS_SKIP=skip is not None,
+            NUM_SPLITS=num_kv_splits,
+            num_warps=gluon_decode.NUM_WARPS,
+        )
+    else:
+        kernels._decode_stage1[(rows, head_blocks, num_kv_splits)](
+            q,
+            pool.codes[layer, 0],
+            pool.scales[layer, 0],
+            pool.outlier_values[layer, 0],
+            pool.codes[layer, 1],
+            pool.scales[layer, 1],
+            pool.outlier_values[layer, 1],
+            pool.outlier_index[layer],
+            pool._outlier_channels_i32[layer],
+            *stage1_args,
+            pool.seed,
+            layer,
+            NUM_KV_HEADS=pool.kv_heads,
+            KV_GROUP=kv_group,
+            BLOCK_H=block_h,
+            BLOCK_N=LAUNCH.block_n,
+            HEAD_DIM=head_dim,
+            GROUP_SIZE=pool.group_size,
+            DITHER_BITS=pool.dither_bits,
+            V_DITHER=pool.v_dither,
+            HAS_OUTLIERS=outliers,
+            OUTLIERS_PAD=max(2, _pow2(pool.num_outliers)),
+            NUM_OUTLIERS=max(1, pool.num_outliers),
+            CERTIFICATE=certificate,
+            HAS_SKIP=skip is not None,
+            OFFSETS_64=pool.codes[layer, 0].numel() >= 2**31,
+            NUM_SPLITS=num_kv_splits,
+            INTERPRETED=device.type != "cuda",
+            num_warps=LAUNCH.num_warps,
+            num_stages=LAUNCH.num_stages,
+            **({"maxnreg": LAUNCH.maxnreg} if LAUNCH.maxnreg and device.type == "cuda" else {}),
+        )
     kernels._decode_stage2[(rows, num_q_heads)](
         part_out,
         part_lse,
@@ -222,7 +264,7 @@ def _run_triton(
         SPLITS_PAD=max(2, _pow2(num_kv_splits)),
         CERTIFICATE=certificate,
     )
-    path: Path = "triton-gpu" if device.type == "cuda" else "triton-interpreter"
+    path: Path = "gluon-gpu" if use_gluon else "triton-gpu" if device.type == "cuda" else "triton-interpreter"
     if not certificate:
         return AttentionOutput(out, lse, None, None, path)
     return _with_certificate(out, lse, stats, path)

@@ -15,7 +15,8 @@ from typing import Literal
 
 import torch
 
-Path = Literal["triton-gpu", "triton-interpreter", "reference"]
+# "gluon-gpu": decode whose stage 1 ran the Gluon kernel (kernels/gluon_decode.py); otherwise "triton-gpu".
+Path = Literal["gluon-gpu", "triton-gpu", "triton-interpreter", "reference"]
 
 logger = logging.getLogger("witcert.kernels")
 _announced: set[str] = set()

@@ -7,6 +7,7 @@ import torch
 from kernel_cases import assert_matches_oracle, filled_pool, oracle, relative_error
 
 from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, extend_attention, reference
+from witcert.kernels.attention import LAUNCH, gluon_supports
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,6 +16,19 @@ pytestmark = [
 
 DELTA = reference.delta_step(28, 28)
 CUDA = torch.device("cuda")
+
+
+@pytest.fixture(params=[True, False], ids=["gluon", "triton"])
+def stage1(request):
+    """Run the test with the Gluon stage 1 where it applies, then with the Triton one everywhere."""
+    saved = LAUNCH.gluon
+    LAUNCH.gluon = request.param
+    yield request.param
+    LAUNCH.gluon = saved
+
+
+def _expected_path(q: torch.Tensor, pool: KVPool) -> str:
+    return "gluon-gpu" if LAUNCH.gluon and gluon_supports(q, pool) else "triton-gpu"
 
 
 def _query(rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -52,28 +66,35 @@ def test_write_and_dither_are_bit_identical_on_gpu():
         (4, 7, 16, False, torch.bfloat16),
         (8, 1, 16, True, torch.float16),
         (8, 1, 1, False, torch.bfloat16),
+        (4, 7, 1, False, torch.float16),
+        (2, 12, 1, False, torch.float16),
+        (8, 1, 16, False, torch.float16),
     ],
-    ids=["qwen-page1-vdither", "qwen-page16-vnearest", "qwen-bf16", "mha", "mha-bf16-vnearest"],
-)
-def test_decode_matches_reference_on_gpu(kv_heads, group, page_size, v_dither, dtype):
-    lengths = [1, 4097, 0, 1500, 64]
+    ids=[
+        "qwen-page1-vdither", "qwen-page16-vnearest", "qwen-bf16", "mha", "mha-bf16-vnearest", "qwen-page1-vnearest",
+        "two-head-blocks", "mha-vnearest",
+    ],
+)  # fmt: skip
+def test_decode_matches_reference_on_gpu(kv_heads, group, page_size, v_dither, dtype, stage1):
+    lengths = [1, 4097, 0, 1500, 64, 129]
     pool, indptr, slots = filled_pool(
         lengths, kv_heads=kv_heads, page_size=page_size, v_dither=v_dither, device=CUDA, dtype=dtype
     )
     q = _query(len(lengths), kv_heads * group, dtype=dtype)
     for splits in (None, 5):
         result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
-        assert result.path == "triton-gpu"
+        assert result.path == _expected_path(q, pool)
         assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 
 
-@pytest.mark.parametrize("v_dither", [True, False])
-def test_decode_with_outliers_and_skipped_pairs_matches_reference_on_gpu(v_dither):
-    channels = reference.rope_pair_channels([2, 40], 128)
+@pytest.mark.parametrize(("v_dither", "outliers"), [(True, True), (False, True), (False, False)])
+def test_decode_with_outliers_and_skipped_pairs_matches_reference_on_gpu(v_dither, outliers, stage1):
+    channels = reference.rope_pair_channels([2, 40], 128) if outliers else None
     lengths = [3000, 130]
     pool, indptr, slots = filled_pool(lengths, kv_heads=4, outlier_channels=channels, v_dither=v_dither, device=CUDA)
     q = _query(2, 28)
     result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
+    assert result.path == _expected_path(q, pool)
     assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
     generator = torch.Generator().manual_seed(5)
     skip = torch.rand(pool.num_slots, 4, generator=generator) < 0.2
@@ -104,9 +125,10 @@ def test_extend_matches_reference_on_gpu():
         torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
 
 
-def test_cuda_graph_replay_is_bit_identical_to_eager():
+@pytest.mark.parametrize("v_dither", [True, False])
+def test_cuda_graph_replay_is_bit_identical_to_eager(v_dither, stage1):
     capacity = [3000, 3000, 3000]
-    pool, _, slots = filled_pool(capacity, kv_heads=4, device=CUDA)
+    pool, _, slots = filled_pool(capacity, kv_heads=4, device=CUDA, v_dither=v_dither)
     indptr = torch.tensor([0, 3000, 6000, 9000], device=CUDA, dtype=torch.int32)
     static_q = _query(3, 28)
     static_out = torch.empty(3, 28, 128, device=CUDA)
@@ -136,8 +158,9 @@ def test_cuda_graph_replay_is_bit_identical_to_eager():
         assert torch.isfinite(captured.certificate).all()
 
 
-def test_malformed_rows_on_gpu_are_poisoned_without_a_device_fault():
-    pool, indptr, slots = filled_pool([100, 50], kv_heads=4, device=CUDA)
+@pytest.mark.parametrize("v_dither", [True, False])
+def test_malformed_rows_on_gpu_are_poisoned_without_a_device_fault(v_dither, stage1):
+    pool, indptr, slots = filled_pool([100, 50], kv_heads=4, device=CUDA, v_dither=v_dither)
     q = _query(2, 28)
     bad = slots.clone()
     bad[120] = 2**30
