@@ -52,7 +52,10 @@ def _rotations(bytes_per_copy: int) -> int:
     return max(1, min(512, math.ceil(ROTATE_BYTES / bytes_per_copy)))
 
 
-def bench_decode(batch: int, context: int, v_dither: bool, delta: float) -> dict:
+VARIANTS = ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert", "triton_nocert", "triton_cert")
+
+
+def bench_decode(batch: int, context: int, v_dither: bool, delta: float, names: tuple[str, ...] = VARIANTS) -> dict:
     tokens = batch * context
     fp16_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * 2
     copies = _rotations(fp16_bytes)
@@ -112,6 +115,8 @@ def bench_decode(batch: int, context: int, v_dither: bool, delta: float) -> dict
         ("triton_nocert", int8(False, False), int8_bytes),
         ("triton_cert", int8(True, False), int8_bytes),
     ):
+        if name not in names:
+            continue
         try:
             ms = _median_ms(fn)
             row[name] = {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
@@ -144,27 +149,38 @@ def bench_write(tokens: int = 2**20) -> dict:
 
 
 SWEEP = [
-    LaunchConfig(128, 4, 2),
-    LaunchConfig(128, 4, 1),
-    LaunchConfig(64, 4, 1),
-    LaunchConfig(128, 8, 1),
-    LaunchConfig(256, 8, 1),
-    LaunchConfig(128, 4, 2, maxnreg=168),
-    LaunchConfig(128, 4, 1, maxnreg=168),
+    # The Gluon stage 1 fixes its tile (128 tokens, 4 warps): only its register cap varies.
+    LaunchConfig(gluon=True),
+    LaunchConfig(gluon=True, gluon_maxnreg=168),
+    LaunchConfig(gluon=True, gluon_maxnreg=128),
+    LaunchConfig(128, 4, 2, gluon=False),
+    LaunchConfig(128, 4, 1, gluon=False),
+    LaunchConfig(64, 4, 1, gluon=False),
+    LaunchConfig(128, 8, 1, gluon=False),
+    LaunchConfig(256, 8, 1, gluon=False),
+    LaunchConfig(128, 4, 2, maxnreg=168, gluon=False),
+    LaunchConfig(128, 4, 1, maxnreg=168, gluon=False),
 ]
 
 
 def sweep_launch(delta: float) -> list[dict]:
-    """Time the int8 kernel with certificate at B=32, S=16k for each launch config; keep the fastest."""
+    """Time each launch config's int8 kernel, with and without certificate, at B=32, S=16k; keep the fastest
+    config of each stage 1 (Gluon: its register cap; Triton: tile, warps, stages, cap)."""
     rows = []
     for config in SWEEP:
         LAUNCH.__dict__.update(config.__dict__)
-        row = bench_decode(32, 16384, False, delta)
-        rows.append({"config": config.__dict__, **row})
+        names = ("int8_nocert", "int8_cert") if config.gluon else ("triton_nocert", "triton_cert")
+        row = bench_decode(32, 16384, False, delta, names)
+        rows.append({"config": dict(config.__dict__), **row})
         print(f"sweep {config}: " + " ".join(f"{k}={v.get('ms', float('nan')):.4f}" for k, v in row.items()
                                              if isinstance(v, dict)), flush=True)  # fmt: skip
-    best = min(rows, key=lambda r: r["int8_cert"].get("ms", math.inf))["config"]
-    LAUNCH.__dict__.update(best)
+    for gluon, metric in ((True, "int8_cert"), (False, "triton_cert")):
+        best = min((r for r in rows if r["config"]["gluon"] == gluon), key=lambda r: r[metric].get("ms", math.inf))
+        if gluon:
+            LAUNCH.gluon_maxnreg = best["config"]["gluon_maxnreg"]
+        else:
+            LAUNCH.__dict__.update({k: v for k, v in best["config"].items() if not k.startswith("gluon")})
+    LAUNCH.gluon = True
     return rows
 
 
@@ -200,8 +216,7 @@ def main() -> None:
                 row = bench_decode(batch, context, v_dither, delta)
                 row["v_dither"] = v_dither
                 results["decode"].append(row)
-                cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in
-                         ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert", "triton_nocert", "triton_cert")]  # fmt: skip
+                cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in VARIANTS]
                 print(f"v_dither={v_dither} B={batch} S={context}: " + " ".join(cells), flush=True)
                 torch.cuda.empty_cache()
                 # Rewritten after every row: a run stopped at its time limit keeps what it measured.

@@ -35,10 +35,12 @@ class LaunchConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    # A register cap for the int8 kernel (ptxas .maxnreg): more programs per SM against spills.
+    # A register cap for the Triton int8 stage 1 (ptxas .maxnreg): more programs per SM against spills.
     maxnreg: int | None = None
     # The Gluon stage 1 (kernels/gluon_decode.py) where it covers the call; False forces the Triton one.
+    # Its tile is fixed (128 tokens, 4 warps); only its register cap is tunable.
     gluon: bool = True
+    gluon_maxnreg: int | None = None
 
 
 # Module-level so an engine (or the benchmark) can retune once; read at every launch.
@@ -213,6 +215,7 @@ def _run_triton(
             HAS_SKIP=skip is not None,
             NUM_SPLITS=num_kv_splits,
             num_warps=gluon_decode.NUM_WARPS,
+            **({"maxnreg": LAUNCH.gluon_maxnreg} if LAUNCH.gluon_maxnreg else {}),
         )
     else:
         kernels._decode_stage1[(rows, head_blocks, num_kv_splits)](

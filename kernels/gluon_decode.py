@@ -72,26 +72,37 @@ _K_GROUP = gl.constexpr(
 )
 # Philox words, [warp, token, j]: one (token, lane column) per element.
 _WORDS = gl.constexpr(gl.SliceLayout(3, gl.SliceLayout(4, _K_GROUP5)))
-# V codes [warp, token, 128 channels]: 16 contiguous bytes per (thread, token); _V_PAIRS is the same
-# registers reordered so that tokens t and t + 1 are neighbours for the pairing asm.
+# V codes of half a warp's tokens, [warp, token, 128 channels]: 16 contiguous bytes per (thread, token).
+# _V_PAIRS is the same registers reordered so that tokens t and t + 1 are neighbours for the pairing
+# asm; _V_PAIRS4 views its channels as [group, 32] (a thread's 16 channels share one group).
 _V_LOAD = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
         lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
         warp_bases=[[1, 0, 0], [2, 0, 0]],
         block_bases=[],
-        shape=[4, 32, 128],
+        shape=[4, 16, 128],
     )
 )
 _V_PAIRS = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 0, 4], [0, 0, 8], [0, 8, 0], [0, 16, 0]],
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 0, 4], [0, 0, 8], [0, 8, 0]],
         lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
         warp_bases=[[1, 0, 0], [2, 0, 0]],
         block_bases=[],
-        shape=[4, 32, 128],
+        shape=[4, 16, 128],
     )
 )
+_V_PAIRS4 = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 0, 0, 4], [0, 0, 0, 8], [0, 8, 0, 0]],
+        lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 16], [0, 0, 1, 0], [0, 0, 2, 0]],
+        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]],
+        block_bases=[],
+        shape=[4, 16, 4, 32],
+    )
+)
+_V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
 # q^T of one group, [warp (broadcast), 32 channels, 8 heads], as loaded (then relabelled like K).
 _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
 
@@ -162,18 +173,63 @@ def _mul_nonneg(a, b):
 
 
 @gluon.jit
-def _philox(k0, k1, c0, c1, c2, c3):
-    """Philox4x32-10 (Random123) with key ``(k0, k1)``, the block function ``tl.philox`` runs."""
-    for _ in gl.static_range(10):
-        prev0 = c0
-        prev2 = c2
-        c0 = gl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = gl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
-        c1 = prev2 * 0xCD9E8D57
-        c3 = prev0 * 0xD2511F53
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
+def _philox(keys, c0, c1, c2, c3):
+    """Philox4x32-10 (Random123), the block function ``tl.philox`` runs, with the round keys precomputed.
+
+    Each round's two products come from one ``mul.wide.u32`` each (high and low words together).
+    """
+    for i in gl.static_range(10):
+        c0, c1, c2, c3 = gl.inline_asm_elementwise(
+            """
+            {
+            .reg .b64 p0, p2;
+            .reg .b32 lo0, hi0, lo2, hi2;
+            mul.wide.u32 p0, $4, 0xD2511F53;
+            mul.wide.u32 p2, $6, 0xCD9E8D57;
+            mov.b64 {lo0, hi0}, p0;
+            mov.b64 {lo2, hi2}, p2;
+            xor.b32 $0, hi2, $5;
+            xor.b32 $0, $0, $8;
+            xor.b32 $2, hi0, $7;
+            xor.b32 $2, $2, $9;
+            mov.b32 $1, lo2;
+            mov.b32 $3, lo0;
+            }
+            """,
+            "=r,=r,=r,=r,r,r,r,r,r,r",
+            [c0, c1, c2, c3, keys[2 * i], keys[2 * i + 1]],
+            dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+            is_pure=True,
+            pack=1,
+        )
     return c0, c1, c2, c3
+
+
+@gluon.jit
+def _round_keys(k0, k1):
+    """Philox's 20 round keys: ``(k0 + i * 0x9E3779B9, k1 + i * 0xBB67AE85)`` for rounds ``i = 0..9``."""
+    return (
+        k0,
+        k1,
+        k0 + 0x9E3779B9,
+        k1 + 0xBB67AE85,
+        k0 + 0x3C6EF372,
+        k1 + 0x76CF5D0A,
+        k0 + 0xDAA66D2B,
+        k1 + 0x32370B8F,
+        k0 + 0x78DDE6E4,
+        k1 + 0xED9EBA14,
+        k0 + 0x1715609D,
+        k1 + 0xA9066899,
+        k0 + 0xB54CDA56,
+        k1 + 0x646E171E,
+        k0 + 0x5384540F,
+        k1 + 0x1FD5C5A3,
+        k0 + 0xF1BBCDC8,
+        k1 + 0xDB3D7428,
+        k0 + 0x8FF34781,
+        k1 + 0x96A522AD,
+    )
 
 
 @gluon.jit
@@ -217,37 +273,122 @@ def _k_operands(codes, words):
 
 
 @gluon.jit
-def _v_pairs(codes):
-    """Tokens ``t, t + 1`` x channels ``c .. c + 3`` -> four ``f16x2`` (token t, token t + 1) per channel.
+def _v_pairs(codes, scales):
+    """Tokens ``t, t + 1`` x channels ``c .. c + 3`` -> ``(hi, lo)``, four ``f16x2`` (token t, token t + 1) each,
+    with ``hi + lo = s * code`` exactly (``s`` the token's group scale, the same for the four channels).
 
     Element ``i`` of the eight in comes from token ``i // 4``, channel ``i % 4``; element ``i`` out is
-    token ``i % 2``, channel ``i // 2`` (the caller relabels).
+    token ``i % 2``, channel ``i // 2`` (the caller relabels). ``hi = fp16(s code)`` and the fma's
+    remainder are exact: the product has at most 19 significant bits on the 2**-24 grid.
     """
     return gl.inline_asm_elementwise(
         """
         {
-        .reg .b32 a, b, lo, hi, offset;
-        xor.b32 a, $4, 0x80808080;
-        xor.b32 b, $5, 0x80808080;
+        .reg .b32 a, b, lo, hi, offset, s, neg;
+        xor.b32 a, $8, 0x80808080;
+        xor.b32 b, $9, 0x80808080;
         mov.b32 offset, 0xE480E480;
+        prmt.b32 s, $10, $12, 0x5410;
         prmt.b32 lo, a, b, 0x5140;
         prmt.b32 hi, a, b, 0x7362;
         prmt.b32 $0, lo, 0x64646464, 0x4140;
         prmt.b32 $1, lo, 0x64646464, 0x4342;
         prmt.b32 $2, hi, 0x64646464, 0x4140;
         prmt.b32 $3, hi, 0x64646464, 0x4342;
-        add.rn.f16x2 $0, $0, offset;
-        add.rn.f16x2 $1, $1, offset;
-        add.rn.f16x2 $2, $2, offset;
-        add.rn.f16x2 $3, $3, offset;
+        add.rn.f16x2 $4, $0, offset;
+        add.rn.f16x2 $5, $1, offset;
+        add.rn.f16x2 $6, $2, offset;
+        add.rn.f16x2 $7, $3, offset;
+        mul.rn.f16x2 $0, $4, s;
+        mul.rn.f16x2 $1, $5, s;
+        mul.rn.f16x2 $2, $6, s;
+        mul.rn.f16x2 $3, $7, s;
+        neg.f16x2 neg, $0;
+        fma.rn.f16x2 $4, $4, s, neg;
+        neg.f16x2 neg, $1;
+        fma.rn.f16x2 $5, $5, s, neg;
+        neg.f16x2 neg, $2;
+        fma.rn.f16x2 $6, $6, s, neg;
+        neg.f16x2 neg, $3;
+        fma.rn.f16x2 $7, $7, s, neg;
         }
         """,
-        "=r,=r,=r,=r,r,r",
-        [codes],
-        dtype=gl.float16,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+        [codes, scales],
+        dtype=(gl.float16, gl.float16),
         is_pure=True,
         pack=8,
     )
+
+
+@gluon.jit
+def _relabel_v(x):
+    """Pairing-asm output ``[warp, 16, 128]`` -> ``V^T [warp, MMA row, token]``, the operand ``_OP_A``.
+
+    Element (token label 2T + x, channel label 4C + 2y + z) holds token 2T + z, channel 4C + 2x + y;
+    channel c then goes to MMA row 8 (c % 16) + c // 16.
+    """
+    x = gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, 32, 2, 2]), [0, 1, 5, 3, 2, 4]), [4, 16, 128])
+    x = gl.reshape(gl.permute(gl.reshape(x, [4, 16, 8, 16]), [0, 1, 3, 2]), [4, 16, 128])
+    return gl.convert_layout(gl.permute(x, [0, 2, 1]), _OP_A)
+
+
+@gluon.jit
+def _pv_half(
+    acc, weights, VCodes, VScales, KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head
+):
+    """``acc += V^T p^T`` over 16 tokens per warp (``offs``: their positions, ``[4, 16]`` in ``_V_LOAD``'s
+    token slice), V as ``v_hi + v_lo`` and ``2**14 p`` as ``p_hi + p_mid``: three fp16 MMAs."""
+    # Clamped, not masked: tokens past the end read a real slot and weigh nothing.
+    slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
+    base = gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32)).to(gl.int32) * NUM_KV_HEADS + kv_head
+    channels = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
+    codes = gl.load(VCodes + base[:, :, None] * HEAD_DIM + channels)
+    scale_base = gl.convert_layout(base, gl.SliceLayout(2, _V_SCALES))
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES)))[None, None, :]
+    scales = gl.load(VScales + scale_base[:, :, None] * 4 + groups)[:, :, :, None]
+    scales = gl.convert_layout(gl.reshape(scales.broadcast_to(4, 16, 4, 32), [4, 16, 128]), _V_PAIRS)
+    v_hi, v_lo = _v_pairs(gl.convert_layout(codes, _V_PAIRS), scales)
+    v_hi = _relabel_v(v_hi)
+    v_lo = _relabel_v(v_lo)
+    scaled = gl.convert_layout(weights, _OP_B)
+    p_hi = scaled.to(gl.float16)
+    p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)
+    acc = mma_v2(v_hi, p_hi, acc)
+    acc = mma_v2(v_lo, p_hi, acc)
+    return mma_v2(v_hi, p_mid, acc)
+
+
+@gluon.jit
+def _qk_group(
+    logits, sigma_sq, bias, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_offset, q_sq, q_abs,
+    g: gl.constexpr, CERTIFICATE: gl.constexpr,
+):  # fmt: skip
+    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled into the logits; the radius sums.
+
+    ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
+    holds its own words for the groups of its parity and its neighbour's for the others.
+    """
+    mine_lo, mine_hi, got_lo, got_hi = words
+    if g % 2 == 1:
+        own = j_odd
+    else:
+        own = ~j_odd
+    pair = gl.join(gl.where(own, mine_lo, got_lo), gl.where(own, mine_hi, got_hi))
+    pair = gl.convert_layout(pair, gl.SliceLayout(4, _K_GROUP5))
+    pair = gl.reshape(pair[:, :, :, :, None].broadcast_to(4, 32, 4, 2, 4), [4, 32, 32])
+    codes = gl.load(KCodes + k_rows + g * GROUP_SIZE)
+    code_op, dither_op = _k_operands(codes, gl.convert_layout(pair, _K_GROUP))
+    code_op = gl.convert_layout(_relabel_group(code_op, 2), _OP_A)
+    dither_op = gl.convert_layout(_relabel_group(dither_op, 2), _OP_A)
+    part = mma_v2(code_op, q_ops[g], q_offset[g][:, None, :].broadcast_to(4, 32, 8))
+    part = mma_v2(dither_op, q_ops[g], part)
+    scale = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
+    logits += part * scale
+    if CERTIFICATE:
+        sigma_sq += q_sq[g][:, None, :] * (scale * scale)
+        bias += q_abs[g][:, None, :] * scale
+    return logits, sigma_sq, bias
 
 
 @gluon.jit
@@ -333,7 +474,7 @@ def _decode_stage1_gluon(
     )
     lane_j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _WORDS)))[None, None, :]
     j_odd = (lane_j & 1) == 1
-    call_a = (2 * (lane_j & 1) + (lane_j >> 1)).to(gl.uint32)
+    call_a = (2 * (lane_j & 1) + (lane_j >> 1)).to(gl.uint32).broadcast_to(4, 32, 4)
     k_tok_l: gl.constexpr = gl.SliceLayout(2, _K_GROUP)
     tok_k = (
         gl.arange(0, 4, layout=gl.SliceLayout(1, k_tok_l))[:, None] * TOKENS
@@ -343,9 +484,8 @@ def _decode_stage1_gluon(
     v_tok_l: gl.constexpr = gl.SliceLayout(2, _V_LOAD)
     tok_v = (
         gl.arange(0, 4, layout=gl.SliceLayout(1, v_tok_l))[:, None] * TOKENS
-        + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, v_tok_l))[None, :]
+        + gl.arange(0, 16, layout=gl.SliceLayout(0, v_tok_l))[None, :]
     )
-    chan_v = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
 
     running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
     running_sum = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
@@ -357,13 +497,13 @@ def _decode_stage1_gluon(
     u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     bad_slots = gl.zeros([4, 32], gl.int32, _TOKEN_ROW)
 
-    head_word = kv_head.to(gl.uint32)
     # to_tensor: Triton passes an integer argument equal to 1 as a constant.
-    layer_word = gl.to_tensor(layer).to(gl.uint32)
-    key_lo = gl.to_tensor(seed_lo).to(gl.uint32)
-    key_hi = gl.to_tensor(seed_hi).to(gl.uint32)
+    keys = _round_keys(gl.to_tensor(seed_lo).to(gl.uint32), gl.to_tensor(seed_hi).to(gl.uint32))
+    counter2 = gl.zeros([4, 32, 4], gl.uint32, _WORDS) + gl.to_tensor(layer).to(gl.uint32)
+    counter3 = gl.zeros([4, 32, 4], gl.uint32, _WORDS) + kv_head.to(gl.uint32)
+    max_slot = (num_slots - 1).to(gl.uint32)
     for start in range(lo, hi, BLOCK_N):
-        # The tile's tokens in each layout (the index loads hit L1 after the first).
+        # The tile's tokens as the softmax sees them: masked, range-checked, skipped.
         offs = start + tok_t
         in_split = offs < hi
         slots = gl.load(KvIndices + kv_start + offs, mask=in_split, other=0)
@@ -373,60 +513,30 @@ def _decode_stage1_gluon(
         base = gl.where(token_ok, slots, 0) * NUM_KV_HEADS + kv_head
         if HAS_SKIP:
             token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
-
-        offs_k = start + tok_k
-        slots_k = gl.load(KvIndices + kv_start + offs_k, mask=offs_k < hi, other=0)
-        slots_k = gl.where((slots_k >= 0) & (slots_k < num_slots), slots_k, 0)
+        # The same tokens in the loads' layouts, clamped rather than masked (an index load hits L1): a
+        # token past the end or out of range reads a real slot and weighs nothing.
+        slots_k = gl.load(KvIndices + kv_start + gl.minimum(start + tok_k, hi - 1))
+        slots_k = gl.minimum(slots_k.to(gl.uint32), max_slot).to(gl.int32)
         k_rows = (slots_k * NUM_KV_HEADS + kv_head)[:, :, None] * HEAD_DIM + chan_k
-
-        offs_w = start + tok_w
-        slots_w = gl.load(KvIndices + kv_start + offs_w, mask=offs_w < hi, other=0)
-        slots_w = gl.where((slots_w >= 0) & (slots_w < num_slots), slots_w, 0).to(gl.uint32)
-        c0 = slots_w[:, :, None].broadcast_to(4, 32, 4)
-        c2 = gl.zeros([4, 32, 4], gl.uint32, _WORDS) + layer_word
-        c3 = gl.zeros([4, 32, 4], gl.uint32, _WORDS) + head_word
-        # Calls 2 j0 + j1 (group j0) and + 4 (group j0 + 2); the neighbour computes the other two.
-        a0, a1, a2, a3 = _philox(key_lo, key_hi, c0, call_a.broadcast_to(4, 32, 4), c2, c3)
-        b0, b1, b2, b3 = _philox(key_lo, key_hi, c0, (call_a + 4).broadcast_to(4, 32, 4), c2, c3)
-        # A lane with j0 keeps words 2 j0, 2 j0 + 1 of each call and sends the other two.
-        mine_a_lo = gl.where(j_odd, a2, a0)
-        mine_a_hi = gl.where(j_odd, a3, a1)
-        mine_b_lo = gl.where(j_odd, b2, b0)
-        mine_b_hi = gl.where(j_odd, b3, b1)
-        got_a_lo = _swap_with_neighbour(gl.where(j_odd, a0, a2))
-        got_a_hi = _swap_with_neighbour(gl.where(j_odd, a1, a3))
-        got_b_lo = _swap_with_neighbour(gl.where(j_odd, b0, b2))
-        got_b_hi = _swap_with_neighbour(gl.where(j_odd, b1, b3))
+        slots_w = gl.load(KvIndices + kv_start + gl.minimum(start + tok_w, hi - 1))
+        counter0 = gl.minimum(slots_w.to(gl.uint32), max_slot)[:, :, None].broadcast_to(4, 32, 4)
 
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
         sigma_sq = gl.zeros([4, 32, 8], gl.float32, _MMA)
         bias = gl.zeros([4, 32, 8], gl.float32, _MMA)
-        for g in gl.static_range(4):
-            if g % 2 == 0:
-                own = ~j_odd
-            else:
-                own = j_odd
-            if g < 2:
-                word_lo = gl.where(own, mine_a_lo, got_a_lo)
-                word_hi = gl.where(own, mine_a_hi, got_a_hi)
-            else:
-                word_lo = gl.where(own, mine_b_lo, got_b_lo)
-                word_hi = gl.where(own, mine_b_hi, got_b_hi)
-            words = gl.convert_layout(gl.join(word_lo, word_hi), gl.SliceLayout(4, _K_GROUP5))
-            words = gl.reshape(words[:, :, :, :, None].broadcast_to(4, 32, 4, 2, 4), [4, 32, 32])
-            words = gl.convert_layout(words, _K_GROUP)
-            codes = gl.load(KCodes + k_rows + g * GROUP_SIZE)
-            code_op, dither_op = _k_operands(codes, words)
-            code_op = gl.convert_layout(_relabel_group(code_op, 2), _OP_A)
-            dither_op = gl.convert_layout(_relabel_group(dither_op, 2), _OP_A)
-            start_value = q_offset[g][:, None, :].broadcast_to(4, 32, 8)
-            part = mma_v2(code_op, q_ops[g], start_value)
-            part = mma_v2(dither_op, q_ops[g], part)
-            scale_g = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
-            logits += part * scale_g
-            if CERTIFICATE:
-                sigma_sq += q_sq[g][:, None, :] * (scale_g * scale_g)
-                bias += q_abs[g][:, None, :] * scale_g
+        for half in gl.static_range(2):
+            # Call 2 j0 + j1 + 4 half holds group j0 + 2 half; the neighbour's holds the other group.
+            # A lane keeps words 2 j0, 2 j0 + 1 of its call and sends the other two.
+            w0, w1, w2, w3 = _philox(keys, counter0, call_a + 4 * half, counter2, counter3)
+            mine_lo = gl.where(j_odd, w2, w0)
+            mine_hi = gl.where(j_odd, w3, w1)
+            got_lo = _swap_with_neighbour(gl.where(j_odd, w0, w2))
+            got_hi = _swap_with_neighbour(gl.where(j_odd, w1, w3))
+            for parity in gl.static_range(2):
+                logits, sigma_sq, bias = _qk_group(
+                    logits, sigma_sq, bias, (mine_lo, mine_hi, got_lo, got_hi), j_odd, KCodes, k_rows, KScales, base,
+                    q_ops, q_offset, q_sq, q_abs, 2 * half + parity, CERTIFICATE,
+                )  # fmt: skip
         logits = gl.where(token_ok[:, :, None], logits * sm_scale, -_FP32_INF)
 
         tile_max = gl.max(logits, axis=1)
@@ -471,43 +581,16 @@ def _decode_stage1_gluon(
             w_rest = w_rest * alpha + tile_w + gl.where(moved, alpha, weight_arg)
             u_max = gl.where(moved, u_arg, u_max)
 
-        # PV: V^T [channels, tokens] as v_hi + v_lo = s * code, weights 2**14 p as p_hi + p_mid.
-        offs_v = start + tok_v
-        slots_v = gl.load(KvIndices + kv_start + offs_v, mask=offs_v < hi, other=0)
-        base_v = gl.where((slots_v >= 0) & (slots_v < num_slots), slots_v, 0) * NUM_KV_HEADS + kv_head
-        v_codes = gl.load(VCodes + base_v[:, :, None] * HEAD_DIM + chan_v)
-        pairs = _v_pairs(gl.convert_layout(v_codes, _V_PAIRS))
-        # Element (token label 2T + x, channel label 4C + 2y + z) holds token 2T + z, channel 4C + 2x + y.
-        pairs = gl.permute(gl.reshape(pairs, [4, 16, 2, 32, 2, 2]), [0, 1, 5, 3, 2, 4])
-        v = gl.reshape(pairs, [4, 32, 4, 32])
-        v_scale_l: gl.constexpr = gl.SliceLayout(3, v.type.layout)
-        v_tok_s: gl.constexpr = gl.SliceLayout(2, v_scale_l)
-        offs_s = start + (
-            gl.arange(0, 4, layout=gl.SliceLayout(1, v_tok_s))[:, None] * TOKENS
-            + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, v_tok_s))[None, :]
-        )
-        slots_s = gl.load(KvIndices + kv_start + offs_s, mask=offs_s < hi, other=0)
-        base_s = gl.where((slots_s >= 0) & (slots_s < num_slots), slots_s, 0) * NUM_KV_HEADS + kv_head
-        v_groups = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, v_scale_l)))[None, None, :]
-        v_scale = gl.load(VScales + base_s[:, :, None] * 4 + v_groups)[:, :, :, None]
-        v_hi = v * v_scale
-        v_lo = gl.fma(v, v_scale, -v_hi)
-        # Channel c -> MMA row 8 (c % 16) + c // 16, then [warp, channels, tokens].
-        v_hi = gl.permute(
-            gl.reshape(gl.permute(gl.reshape(v_hi, [4, 32, 8, 16]), [0, 1, 3, 2]), [4, 32, 128]), [0, 2, 1]
-        )
-        v_lo = gl.permute(
-            gl.reshape(gl.permute(gl.reshape(v_lo, [4, 32, 8, 16]), [0, 1, 3, 2]), [4, 32, 128]), [0, 2, 1]
-        )
-        v_hi = gl.convert_layout(v_hi, _OP_A)
-        v_lo = gl.convert_layout(v_lo, _OP_A)
-        scaled = gl.convert_layout(weights * _P_SCALE, _OP_B)
-        p_hi = scaled.to(gl.float16)
-        p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)
+        # PV in two halves of 16 tokens per warp (token bit 4 of the logits is a register bit).
+        halves = gl.permute(gl.reshape(weights * _P_SCALE, [4, 2, 16, 8]), [0, 2, 3, 1])
+        first, second = gl.split(halves)
         acc = acc * alpha[:, None, :]
-        acc = mma_v2(v_hi, p_hi, acc)
-        acc = mma_v2(v_lo, p_hi, acc)
-        acc = mma_v2(v_hi, p_mid, acc)
+        acc = _pv_half(
+            acc, first, VCodes, VScales, KvIndices, kv_start, start + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head
+        )
+        acc = _pv_half(
+            acc, second, VCodes, VScales, KvIndices, kv_start, start + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head
+        )
         running_max = new_max
 
     # Merge the four warps (the stage-2 algebra, with each warp's max in place of its LSE).
