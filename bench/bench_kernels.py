@@ -99,8 +99,9 @@ def bench_decode(batch: int, context: int, v_dither: bool, delta: float, names: 
 
     def int8(certificate: bool, gluon: bool):
         def run() -> None:
-            # Read when the graph is captured: each variant records its own stage 1.
-            LAUNCH.gluon = gluon
+            # Read when the graph is captured: each variant records its own stage 1 (the Gluon one at every
+            # size, so that the table shows where the size threshold, LAUNCH.gluon_min_tokens, belongs).
+            LAUNCH.gluon, LAUNCH.gluon_min_tokens = gluon, 0
             i = next_copy()
             decode_attention(q[i], pool, 0, indptr, indices[i], delta_step=delta, out=out, certificate=certificate)
 
@@ -122,7 +123,7 @@ def bench_decode(batch: int, context: int, v_dither: bool, delta: float, names: 
             row[name] = {"ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12}
         except Exception as error:  # a backend refusing a shape is a result to report, not a crash
             row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
-    LAUNCH.gluon = True
+    LAUNCH.gluon, LAUNCH.gluon_min_tokens = True, LaunchConfig.gluon_min_tokens
     return row
 
 
@@ -149,10 +150,10 @@ def bench_write(tokens: int = 2**20) -> dict:
 
 
 SWEEP = [
-    # The Gluon stage 1 fixes its tile (128 tokens, 4 warps): only its register cap varies.
-    LaunchConfig(gluon=True),
-    LaunchConfig(gluon=True, gluon_maxnreg=168),
-    LaunchConfig(gluon=True, gluon_maxnreg=128),
+    # The Gluon stage 1 fixes its tile (128 tokens, 4 warps): only its register caps vary (cert / nocert).
+    LaunchConfig(gluon=True, gluon_maxnreg=None, gluon_maxnreg_nocert=None),
+    LaunchConfig(gluon=True, gluon_maxnreg=168, gluon_maxnreg_nocert=168),
+    LaunchConfig(gluon=True, gluon_maxnreg=128, gluon_maxnreg_nocert=128),
     LaunchConfig(128, 4, 2, gluon=False),
     LaunchConfig(128, 4, 1, gluon=False),
     LaunchConfig(64, 4, 1, gluon=False),
@@ -163,24 +164,31 @@ SWEEP = [
 ]
 
 
-def sweep_launch(delta: float) -> list[dict]:
+def sweep_launch(delta: float, stages: str) -> list[dict]:
     """Time each launch config's int8 kernel, with and without certificate, at B=32, S=16k; keep the fastest
     config of each stage 1 (Gluon: its register cap; Triton: tile, warps, stages, cap)."""
     rows = []
     for config in SWEEP:
+        if stages != "both" and config.gluon != (stages == "gluon"):
+            continue
         LAUNCH.__dict__.update(config.__dict__)
         names = ("int8_nocert", "int8_cert") if config.gluon else ("triton_nocert", "triton_cert")
         row = bench_decode(32, 16384, False, delta, names)
         rows.append({"config": dict(config.__dict__), **row})
         print(f"sweep {config}: " + " ".join(f"{k}={v.get('ms', float('nan')):.4f}" for k, v in row.items()
                                              if isinstance(v, dict)), flush=True)  # fmt: skip
-    for gluon, metric in ((True, "int8_cert"), (False, "triton_cert")):
-        best = min((r for r in rows if r["config"]["gluon"] == gluon), key=lambda r: r[metric].get("ms", math.inf))
-        if gluon:
-            LAUNCH.gluon_maxnreg = best["config"]["gluon_maxnreg"]
-        else:
-            LAUNCH.__dict__.update({k: v for k, v in best["config"].items() if not k.startswith("gluon")})
-    LAUNCH.gluon = True
+
+    def fastest(gluon: bool, metric: str) -> dict | None:
+        candidates = [r for r in rows if r["config"]["gluon"] == gluon]
+        return min(candidates, key=lambda r: r[metric].get("ms", math.inf))["config"] if candidates else None
+
+    if best := fastest(True, "int8_cert"):
+        LAUNCH.gluon_maxnreg = best["gluon_maxnreg"]
+    if best := fastest(True, "int8_nocert"):
+        LAUNCH.gluon_maxnreg_nocert = best["gluon_maxnreg_nocert"]
+    if best := fastest(False, "triton_cert"):
+        LAUNCH.__dict__.update({k: v for k, v in best.items() if not k.startswith("gluon")})
+    LAUNCH.gluon, LAUNCH.gluon_min_tokens = True, LaunchConfig.gluon_min_tokens
     return rows
 
 
@@ -190,7 +198,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--v-dither", choices=["on", "off", "both"], default="both")
     parser.add_argument("--output", type=Path, default=Path("bench/results/kernels_h200.json"))
-    parser.add_argument("--sweep", action="store_true", help="first pick the launch config (B=32, S=16k)")
+    parser.add_argument("--sweep", choices=["gluon", "triton", "both"], help="first pick the launch config of "
+                        "these stage-1 kernels (B=32, S=16k); the others keep the defaults")  # fmt: skip
     args = parser.parse_args()
     delta = reference.delta_step(28, Q_HEADS)
     results = {
@@ -206,7 +215,7 @@ def main() -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     if args.sweep:
-        results["sweep"] = sweep_launch(delta)
+        results["sweep"] = sweep_launch(delta, args.sweep)
     results["launch"] = LAUNCH.__dict__
     print(f"copy {results['copy_tbps']:.2f} TB/s; write {results['write']}", flush=True)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.v_dither]

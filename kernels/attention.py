@@ -38,9 +38,16 @@ class LaunchConfig:
     # A register cap for the Triton int8 stage 1 (ptxas .maxnreg): more programs per SM against spills.
     maxnreg: int | None = None
     # The Gluon stage 1 (kernels/gluon_decode.py) where it covers the call; False forces the Triton one.
-    # Its tile is fixed (128 tokens, 4 warps); only its register cap is tunable.
+    # Its tile is fixed (128 tokens, 4 warps); only its register caps are tunable, with and without the
+    # certificate. Measured on the H200 (B=32, S=16k, sweep in bench/bench_kernels.py): no cap is fastest
+    # with the certificate, 128 registers (4 programs per SM) without.
     gluon: bool = True
+    # ... on calls reading at least this many tokens (kv_indices' length, a shape: graph-safe). Below, its
+    # fixed cost (operand set-up, the merge of four warps) loses to the Triton kernel (H200 table in
+    # docs/KERNELS.md: 1.3x slower at B=1, S=1k; faster from 32k tokens on).
+    gluon_min_tokens: int = 32768
     gluon_maxnreg: int | None = None
+    gluon_maxnreg_nocert: int | None = 128
 
 
 # Module-level so an engine (or the benchmark) can retune once; read at every launch.
@@ -194,7 +201,12 @@ def _run_triton(
         math.log(2.0 / delta_step) if certificate else 0.0,
         reference.fp_slack(pool.dither_bits),
     )
-    use_gluon = device.type == "cuda" and LAUNCH.gluon and gluon_supports(q, pool)
+    use_gluon = (
+        device.type == "cuda"
+        and LAUNCH.gluon
+        and kv_indices.numel() >= LAUNCH.gluon_min_tokens
+        and gluon_supports(q, pool)
+    )
     if use_gluon:
         from witcert.kernels import gluon_decode
 
@@ -215,7 +227,11 @@ def _run_triton(
             HAS_SKIP=skip is not None,
             NUM_SPLITS=num_kv_splits,
             num_warps=gluon_decode.NUM_WARPS,
-            **({"maxnreg": LAUNCH.gluon_maxnreg} if LAUNCH.gluon_maxnreg else {}),
+            **(
+                {"maxnreg": cap}
+                if (cap := LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert)
+                else {}
+            ),
         )
     else:
         kernels._decode_stage1[(rows, head_blocks, num_kv_splits)](

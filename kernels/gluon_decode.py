@@ -42,6 +42,40 @@ HEAD_DIM = gl.constexpr(128)
 GROUP_SIZE = gl.constexpr(32)
 
 _FP32_INF = gl.constexpr(float("inf"))
+
+
+def _philox_asm() -> str:
+    """PTX for four Philox4x32-10 calls (``_philox``): operands ``$0..$15`` are word ``w`` of call ``t`` at
+    ``4 w + t``; inputs ``$16..$19`` counter word 0 per call, ``$20..$23`` word 1, then one register each
+    (``pack=4`` copies) of counter words 2 and 3 and the key words."""
+    calls = range(4)
+    lines = [".reg .b64 p0, p2;", ".reg .b32 lo0, hi0, lo2, hi2, k0, k1;"]
+    lines += [f".reg .b32 c{t}_0, c{t}_1, c{t}_2, c{t}_3;" for t in calls]
+    for t in calls:
+        lines += [f"mov.b32 c{t}_0, ${16 + t};", f"mov.b32 c{t}_1, ${20 + t};", f"mov.b32 c{t}_2, $24;"]
+        lines += [f"mov.b32 c{t}_3, $28;"]
+    lines += ["mov.b32 k0, $32;", "mov.b32 k1, $36;"]
+    for round_index in range(10):
+        for t in calls:
+            lines += [
+                f"mul.wide.u32 p0, c{t}_0, 0xD2511F53;",
+                f"mul.wide.u32 p2, c{t}_2, 0xCD9E8D57;",
+                "mov.b64 {lo0, hi0}, p0;",
+                "mov.b64 {lo2, hi2}, p2;",
+                f"xor.b32 c{t}_0, hi2, c{t}_1;",
+                f"xor.b32 c{t}_0, c{t}_0, k0;",
+                f"xor.b32 c{t}_2, hi0, c{t}_3;",
+                f"xor.b32 c{t}_2, c{t}_2, k1;",
+                f"mov.b32 c{t}_1, lo2;",
+                f"mov.b32 c{t}_3, lo0;",
+            ]
+        if round_index < 9:
+            lines += ["add.u32 k0, k0, 0x9E3779B9;", "add.u32 k1, k1, 0xBB67AE85;"]
+    lines += [f"mov.b32 ${4 * w + t}, c{t}_{w};" for t in calls for w in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_PHILOX_ASM = gl.constexpr(_philox_asm())
 _P_SCALE = gl.constexpr(16384.0)
 
 # mma.sync m16n8k16, batched over the warps: [warp, rows, cols], each warp its own batch entry.
@@ -72,34 +106,35 @@ _K_GROUP = gl.constexpr(
 )
 # Philox words, [warp, token, j]: one (token, lane column) per element.
 _WORDS = gl.constexpr(gl.SliceLayout(3, gl.SliceLayout(4, _K_GROUP5)))
-# V codes of half a warp's tokens, [warp, token, 128 channels]: 16 contiguous bytes per (thread, token).
-# _V_PAIRS is the same registers reordered so that tokens t and t + 1 are neighbours for the pairing
-# asm; _V_PAIRS4 views its channels as [group, 32] (a thread's 16 channels share one group).
+# V codes of 16 tokens per warp and half the channels, [warp, token, 64]: loaded index c is channel
+# 16 (c // 8) + 8 half + c % 8, so a thread reads 8 contiguous bytes per token. _V_PAIRS is the same
+# registers reordered so that tokens t and t + 1 are neighbours for the pairing asm; _V_PAIRS4 views
+# the 64 as [group, 16] (a thread's 8 channels share one group).
 _V_LOAD = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
         warp_bases=[[1, 0, 0], [2, 0, 0]],
         block_bases=[],
-        shape=[4, 16, 128],
+        shape=[4, 16, 64],
     )
 )
 _V_PAIRS = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 0, 4], [0, 0, 8], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 0, 4], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
         warp_bases=[[1, 0, 0], [2, 0, 0]],
         block_bases=[],
-        shape=[4, 16, 128],
+        shape=[4, 16, 64],
     )
 )
 _V_PAIRS4 = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 0, 0, 4], [0, 0, 0, 8], [0, 8, 0, 0]],
-        lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 16], [0, 0, 1, 0], [0, 0, 2, 0]],
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 0, 0, 4], [0, 8, 0, 0]],
+        lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 8], [0, 0, 1, 0], [0, 0, 2, 0]],
         warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]],
         block_bases=[],
-        shape=[4, 16, 4, 32],
+        shape=[4, 16, 4, 16],
     )
 )
 _V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
@@ -173,62 +208,20 @@ def _mul_nonneg(a, b):
 
 
 @gluon.jit
-def _philox(keys, c0, c1, c2, c3):
-    """Philox4x32-10 (Random123), the block function ``tl.philox`` runs, with the round keys precomputed.
+def _philox(seed_lo, seed_hi, c0, c1, c2, c3):
+    """Philox4x32-10 (Random123), the block function ``tl.philox`` runs, for a thread's four calls at once.
 
-    Each round's two products come from one ``mul.wide.u32`` each (high and low words together).
+    ``c0``, ``c1`` vary per call; ``c2``, ``c3`` and the key are the program's. One asm block runs the four
+    calls (``pack=4``: a thread's four tokens), so the key schedule is computed once for all four and
+    each round's two products come from one ``mul.wide.u32`` each.
     """
-    for i in gl.static_range(10):
-        c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            """
-            {
-            .reg .b64 p0, p2;
-            .reg .b32 lo0, hi0, lo2, hi2;
-            mul.wide.u32 p0, $4, 0xD2511F53;
-            mul.wide.u32 p2, $6, 0xCD9E8D57;
-            mov.b64 {lo0, hi0}, p0;
-            mov.b64 {lo2, hi2}, p2;
-            xor.b32 $0, hi2, $5;
-            xor.b32 $0, $0, $8;
-            xor.b32 $2, hi0, $7;
-            xor.b32 $2, $2, $9;
-            mov.b32 $1, lo2;
-            mov.b32 $3, lo0;
-            }
-            """,
-            "=r,=r,=r,=r,r,r,r,r,r,r",
-            [c0, c1, c2, c3, keys[2 * i], keys[2 * i + 1]],
-            dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-            is_pure=True,
-            pack=1,
-        )
-    return c0, c1, c2, c3
-
-
-@gluon.jit
-def _round_keys(k0, k1):
-    """Philox's 20 round keys: ``(k0 + i * 0x9E3779B9, k1 + i * 0xBB67AE85)`` for rounds ``i = 0..9``."""
-    return (
-        k0,
-        k1,
-        k0 + 0x9E3779B9,
-        k1 + 0xBB67AE85,
-        k0 + 0x3C6EF372,
-        k1 + 0x76CF5D0A,
-        k0 + 0xDAA66D2B,
-        k1 + 0x32370B8F,
-        k0 + 0x78DDE6E4,
-        k1 + 0xED9EBA14,
-        k0 + 0x1715609D,
-        k1 + 0xA9066899,
-        k0 + 0xB54CDA56,
-        k1 + 0x646E171E,
-        k0 + 0x5384540F,
-        k1 + 0x1FD5C5A3,
-        k0 + 0xF1BBCDC8,
-        k1 + 0xDB3D7428,
-        k0 + 0x8FF34781,
-        k1 + 0x96A522AD,
+    return gl.inline_asm_elementwise(
+        _PHILOX_ASM,
+        "=r," * 16 + "r," * 23 + "r",
+        [c0, c1, c2, c3, seed_lo, seed_hi],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+        is_pure=True,
+        pack=4,
     )
 
 
@@ -323,48 +316,55 @@ def _v_pairs(codes, scales):
 
 @gluon.jit
 def _relabel_v(x):
-    """Pairing-asm output ``[warp, 16, 128]`` -> ``V^T [warp, MMA row, token]``, the operand ``_OP_A``.
+    """Pairing-asm output ``[warp, 16, 64]`` -> ``V^T [warp, MMA row, token]``, the operand ``_OP_A``.
 
-    Element (token label 2T + x, channel label 4C + 2y + z) holds token 2T + z, channel 4C + 2x + y;
-    channel c then goes to MMA row 8 (c % 16) + c // 16.
+    Element (token label 2T + x, index label 4C + 2y + z) holds token 2T + z, index 4C + 2x + y; index c
+    then goes to MMA row 8 (c % 8) + c // 8.
     """
-    x = gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, 32, 2, 2]), [0, 1, 5, 3, 2, 4]), [4, 16, 128])
-    x = gl.reshape(gl.permute(gl.reshape(x, [4, 16, 8, 16]), [0, 1, 3, 2]), [4, 16, 128])
+    x = gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, 16, 2, 2]), [0, 1, 5, 3, 2, 4]), [4, 16, 64])
+    x = gl.reshape(gl.permute(gl.reshape(x, [4, 16, 8, 8]), [0, 1, 3, 2]), [4, 16, 64])
     return gl.convert_layout(gl.permute(x, [0, 2, 1]), _OP_A)
 
 
 @gluon.jit
-def _pv_half(
-    acc, weights, VCodes, VScales, KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head
-):
-    """``acc += V^T p^T`` over 16 tokens per warp (``offs``: their positions, ``[4, 16]`` in ``_V_LOAD``'s
-    token slice), V as ``v_hi + v_lo`` and ``2**14 p`` as ``p_hi + p_mid``: three fp16 MMAs."""
+def _pv_tokens(
+    acc0, acc1, weights, VCodes, VScales, KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr,
+    kv_head,
+):  # fmt: skip
+    """``acc += V^T p^T`` over 16 tokens per warp (``offs``: their positions), the channels in two halves
+    (``acc0``: channels with bit 3 clear, ``acc1``: set), V as ``v_hi + v_lo`` and ``2**14 p`` as
+    ``p_hi + p_mid``: three fp16 MMAs per half."""
     # Clamped, not masked: tokens past the end read a real slot and weigh nothing.
     slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
     base = gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32)).to(gl.int32) * NUM_KV_HEADS + kv_head
-    channels = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
-    codes = gl.load(VCodes + base[:, :, None] * HEAD_DIM + channels)
+    index = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
+    rows = base[:, :, None] * HEAD_DIM + 16 * (index // 8) + index % 8
     scale_base = gl.convert_layout(base, gl.SliceLayout(2, _V_SCALES))
     groups = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES)))[None, None, :]
     scales = gl.load(VScales + scale_base[:, :, None] * 4 + groups)[:, :, :, None]
-    scales = gl.convert_layout(gl.reshape(scales.broadcast_to(4, 16, 4, 32), [4, 16, 128]), _V_PAIRS)
-    v_hi, v_lo = _v_pairs(gl.convert_layout(codes, _V_PAIRS), scales)
-    v_hi = _relabel_v(v_hi)
-    v_lo = _relabel_v(v_lo)
+    scales = gl.convert_layout(gl.reshape(scales.broadcast_to(4, 16, 4, 16), [4, 16, 64]), _V_PAIRS)
     scaled = gl.convert_layout(weights, _OP_B)
     p_hi = scaled.to(gl.float16)
     p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)
-    acc = mma_v2(v_hi, p_hi, acc)
-    acc = mma_v2(v_lo, p_hi, acc)
-    return mma_v2(v_hi, p_mid, acc)
+    for half in gl.static_range(2):
+        codes = gl.load(VCodes + rows + 8 * half)
+        v_hi, v_lo = _v_pairs(gl.convert_layout(codes, _V_PAIRS), scales)
+        v_hi = _relabel_v(v_hi)
+        v_lo = _relabel_v(v_lo)
+        if half == 0:
+            acc0 = mma_v2(v_hi, p_hi, acc0)
+            acc0 = mma_v2(v_lo, p_hi, acc0)
+            acc0 = mma_v2(v_hi, p_mid, acc0)
+        else:
+            acc1 = mma_v2(v_hi, p_hi, acc1)
+            acc1 = mma_v2(v_lo, p_hi, acc1)
+            acc1 = mma_v2(v_hi, p_mid, acc1)
+    return acc0, acc1
 
 
 @gluon.jit
-def _qk_group(
-    logits, sigma_sq, bias, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_offset, q_sq, q_abs,
-    g: gl.constexpr, CERTIFICATE: gl.constexpr,
-):  # fmt: skip
-    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled into the logits; the radius sums.
+def _qk_group(logits, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_offset, g: gl.constexpr):
+    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled into the logits.
 
     ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
     holds its own words for the groups of its parity and its neighbour's for the others.
@@ -384,11 +384,27 @@ def _qk_group(
     part = mma_v2(code_op, q_ops[g], q_offset[g][:, None, :].broadcast_to(4, 32, 8))
     part = mma_v2(dither_op, q_ops[g], part)
     scale = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
-    logits += part * scale
-    if CERTIFICATE:
-        sigma_sq += q_sq[g][:, None, :] * (scale * scale)
-        bias += q_abs[g][:, None, :] * scale
-    return logits, sigma_sq, bias
+    return logits + part * scale
+
+
+@gluon.jit
+def _store_out(
+    PartOut, acc, warp_weight, total, poison, part_heads, split, num_heads, NUM_SPLITS: gl.constexpr,
+    half: gl.constexpr,
+):  # fmt: skip
+    """The four warps' output of one channel half, merged and normalised, into the split's partial row."""
+    out = gl.sum(acc * warp_weight[:, None, :], axis=0)  # [64, 8]
+    out_l: gl.constexpr = out.type.layout
+    mma_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))[None, :]
+    # MMA row m of channel half h holds channel 16 (m % 8) + 8 h + m // 8 (_pv_tokens, _relabel_v).
+    channels = 16 * (mma_rows % 8) + 8 * half + mma_rows // 8
+    total = gl.convert_layout(total, gl.SliceLayout(0, out_l))[None, :]
+    gl.store(
+        PartOut + ((part_heads + heads) * NUM_SPLITS + split) * HEAD_DIM + channels,
+        out * (1.0 / _P_SCALE) / total + poison,
+        mask=heads < num_heads,
+    )
 
 
 @gluon.jit
@@ -489,7 +505,8 @@ def _decode_stage1_gluon(
 
     running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
     running_sum = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    acc = gl.zeros([4, 128, 8], gl.float32, _MMA)
+    acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
+    acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
     a1_rest = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     b_rest = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     u_rest = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
@@ -498,9 +515,10 @@ def _decode_stage1_gluon(
     bad_slots = gl.zeros([4, 32], gl.int32, _TOKEN_ROW)
 
     # to_tensor: Triton passes an integer argument equal to 1 as a constant.
-    keys = _round_keys(gl.to_tensor(seed_lo).to(gl.uint32), gl.to_tensor(seed_hi).to(gl.uint32))
-    counter2 = gl.zeros([4, 32, 4], gl.uint32, _WORDS) + gl.to_tensor(layer).to(gl.uint32)
-    counter3 = gl.zeros([4, 32, 4], gl.uint32, _WORDS) + kv_head.to(gl.uint32)
+    key_lo = gl.to_tensor(seed_lo).to(gl.uint32)
+    key_hi = gl.to_tensor(seed_hi).to(gl.uint32)
+    layer_word = gl.to_tensor(layer).to(gl.uint32)
+    head_word = kv_head.to(gl.uint32)
     max_slot = (num_slots - 1).to(gl.uint32)
     for start in range(lo, hi, BLOCK_N):
         # The tile's tokens as the softmax sees them: masked, range-checked, skipped.
@@ -522,20 +540,18 @@ def _decode_stage1_gluon(
         counter0 = gl.minimum(slots_w.to(gl.uint32), max_slot)[:, :, None].broadcast_to(4, 32, 4)
 
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
-        sigma_sq = gl.zeros([4, 32, 8], gl.float32, _MMA)
-        bias = gl.zeros([4, 32, 8], gl.float32, _MMA)
         for half in gl.static_range(2):
             # Call 2 j0 + j1 + 4 half holds group j0 + 2 half; the neighbour's holds the other group.
             # A lane keeps words 2 j0, 2 j0 + 1 of its call and sends the other two.
-            w0, w1, w2, w3 = _philox(keys, counter0, call_a + 4 * half, counter2, counter3)
+            w0, w1, w2, w3 = _philox(key_lo, key_hi, counter0, call_a + 4 * half, layer_word, head_word)
             mine_lo = gl.where(j_odd, w2, w0)
             mine_hi = gl.where(j_odd, w3, w1)
             got_lo = _swap_with_neighbour(gl.where(j_odd, w0, w2))
             got_hi = _swap_with_neighbour(gl.where(j_odd, w1, w3))
             for parity in gl.static_range(2):
-                logits, sigma_sq, bias = _qk_group(
-                    logits, sigma_sq, bias, (mine_lo, mine_hi, got_lo, got_hi), j_odd, KCodes, k_rows, KScales, base,
-                    q_ops, q_offset, q_sq, q_abs, 2 * half + parity, CERTIFICATE,
+                logits = _qk_group(
+                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, KCodes, k_rows, KScales, base, q_ops, q_offset,
+                    2 * half + parity,
                 )  # fmt: skip
         logits = gl.where(token_ok[:, :, None], logits * sm_scale, -_FP32_INF)
 
@@ -547,6 +563,13 @@ def _decode_stage1_gluon(
         running_sum = running_sum * alpha + gl.sum(weights, axis=1)
 
         if CERTIFICATE:
+            # The radius from the scales again (L1 hits): nothing of it stays live through the QK loop.
+            sigma_sq = gl.zeros([4, 32, 8], gl.float32, _MMA)
+            bias = gl.zeros([4, 32, 8], gl.float32, _MMA)
+            for g in gl.static_range(4):
+                scale = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
+                sigma_sq += q_sq[g][:, None, :] * (scale * scale)
+                bias += q_abs[g][:, None, :] * scale
             radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
             expm1_u, g_u = _expm1_and_g(radius)
             index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
@@ -584,13 +607,15 @@ def _decode_stage1_gluon(
         # PV in two halves of 16 tokens per warp (token bit 4 of the logits is a register bit).
         halves = gl.permute(gl.reshape(weights * _P_SCALE, [4, 2, 16, 8]), [0, 2, 3, 1])
         first, second = gl.split(halves)
-        acc = acc * alpha[:, None, :]
-        acc = _pv_half(
-            acc, first, VCodes, VScales, KvIndices, kv_start, start + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head
+        acc0 = acc0 * alpha[:, None, :]
+        acc1 = acc1 * alpha[:, None, :]
+        acc0, acc1 = _pv_tokens(
+            acc0, acc1, first, VCodes, VScales, KvIndices, kv_start, start + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head
         )
-        acc = _pv_half(
-            acc, second, VCodes, VScales, KvIndices, kv_start, start + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head
-        )
+        acc0, acc1 = _pv_tokens(
+            acc0, acc1, second, VCodes, VScales, KvIndices, kv_start, start + 16 + tok_v, hi, num_slots, NUM_KV_HEADS,
+            kv_head,
+        )  # fmt: skip
         running_max = new_max
 
     # Merge the four warps (the stage-2 algebra, with each warp's max in place of its LSE).
@@ -599,23 +624,11 @@ def _decode_stage1_gluon(
     warp_weight = gl.exp(running_max - top_shift[None, :])  # [4, 8]
     total = gl.sum(running_sum * warp_weight, axis=0)
     safe_sum = gl.where(total > 0, total, 1.0)
-    out = gl.sum(acc * gl.convert_layout(warp_weight, _HEAD_ROW)[:, None, :], axis=0)  # [128, 8]
     slots_ok = row_ok & (gl.sum(gl.sum(bad_slots, axis=1), axis=0) == 0)
     poison = gl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
-
-    out_l: gl.constexpr = out.type.layout
-    out_rows = gl.arange(0, 128, layout=gl.SliceLayout(1, out_l))
-    out_heads = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
-    out_local = first_local + out_heads
-    out_part = ((row * num_q_heads + kv_head * KV_GROUP + out_local) * NUM_SPLITS + split)[None, :]
-    # MMA row m holds channel 16 (m % 8) + m // 8.
-    out_chan = (16 * (out_rows % 8) + out_rows // 8)[:, None]
-    out_sum = gl.convert_layout(safe_sum, gl.SliceLayout(0, out_l))
-    gl.store(
-        PartOut + out_part * HEAD_DIM + out_chan,
-        out * (1.0 / _P_SCALE) / out_sum[None, :] + poison,
-        mask=(out_local < KV_GROUP)[None, :],
-    )
+    part_heads = row * num_q_heads + kv_head * KV_GROUP + first_local
+    _store_out(PartOut, acc0, warp_weight, safe_sum, poison, part_heads, split, KV_GROUP - first_local, NUM_SPLITS, 0)
+    _store_out(PartOut, acc1, warp_weight, safe_sum, poison, part_heads, split, KV_GROUP - first_local, NUM_SPLITS, 1)
     heads_l: gl.constexpr = total.type.layout
     local = first_local + gl.arange(0, 8, layout=heads_l)
     head_ok = local < KV_GROUP

@@ -20,11 +20,11 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture(params=[True, False], ids=["gluon", "triton"])
 def stage1(request):
-    """Run the test with the Gluon stage 1 where it applies, then with the Triton one everywhere."""
-    saved = LAUNCH.gluon
-    LAUNCH.gluon = request.param
+    """Run the test with the Gluon stage 1 wherever it applies (whatever the size), then with the Triton one."""
+    saved = (LAUNCH.gluon, LAUNCH.gluon_min_tokens)
+    LAUNCH.gluon, LAUNCH.gluon_min_tokens = request.param, 0
     yield request.param
-    LAUNCH.gluon = saved
+    LAUNCH.gluon, LAUNCH.gluon_min_tokens = saved
 
 
 def _expected_path(q: torch.Tensor, pool: KVPool) -> str:
