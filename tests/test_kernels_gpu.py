@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from kernel_cases import assert_matches_oracle, filled_pool, oracle, relative_error
@@ -56,6 +58,26 @@ def test_write_and_dither_are_bit_identical_on_gpu():
         seed=pool.seed, layer=1, slots=slots[:500], num_kv_heads=4, head_dim=128, kind="k", dither_bits=8
     )
     assert torch.equal(pool.dither_fields(1, slots[:500].to(CUDA), "k", 3).long().cpu(), fields[:, 3])
+
+
+def test_write_is_bit_identical_across_scales_on_gpu():
+    """Group magnitudes from 1e-6 to 6e4 (fp16 scales from subnormal to ~500): every quotient x / s the
+    write kernel forms without a division must round as the reference's division does."""
+    generator = torch.Generator().manual_seed(3)
+    tokens = 100_000
+    pool = KVPool(tokens, 1, 4, 128, seed=11, v_dither=False, device=CUDA)
+    magnitude = torch.exp(torch.empty(tokens, 4, 4, 1).uniform_(math.log(1e-6), math.log(6e4), generator=generator))
+    x = (torch.randn(tokens, 4, 4, 32, generator=generator) * magnitude).clamp(-65000, 65000).reshape(tokens, 4, 128)
+    x = x.half()
+    slots = torch.randperm(tokens, generator=generator)
+    pool.write(0, slots.to(CUDA), x.to(CUDA), x.to(CUDA))
+    for side, kind in enumerate(("k", "v")):
+        expected = reference.quantize(
+            x, seed=pool.seed, layer=0, slots=slots, kind=kind, outlier_channels=None, dither_bits=8,
+            dither=kind == "k",
+        )  # fmt: skip
+        assert torch.equal(pool.scales[0, side, slots.to(CUDA)].cpu(), expected.scales)
+        assert torch.equal(pool.codes[0, side, slots.to(CUDA)].cpu(), expected.codes)
 
 
 @pytest.mark.parametrize(
