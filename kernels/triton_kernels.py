@@ -140,12 +140,6 @@ def _mul_nonneg(a, b):
 
 
 @triton.jit
-def _by_channel(per_group, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    """``[N, NG]`` -> ``[N, NG * G]``: each group's value over its channels."""
-    return tl.reshape(tl.broadcast_to(per_group[:, :, None], (N, NUM_GROUPS, GROUP_SIZE)), (N, NUM_GROUPS * GROUP_SIZE))
-
-
-@triton.jit
 def _write_kernel(
     X,
     Slots,
@@ -199,35 +193,29 @@ def _write_kernel(
         bumped = (scale.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
         scale = tl.where(too_small, bumped, scale)
     scale32 = scale.to(tl.float32)
-    positive = scale32 > 0
-    safe_scale = tl.where(positive, scale32, 1.0)
-    # x / s correctly rounded without a division per element (Markstein): with r = RN(1 / s), one per
-    # group, q0 = RN(x r) is within an ulp of x / s, the remainder x - s q0 is exact in an fma, and
-    # RN(q0 + rem r) is RN(x / s). |x| <= 65504 and 2**-24 <= s <= 518 keep every step in fp32's normal
-    # range, the theorem's condition; the tests compare codes with the reference's division bit for bit.
-    reciprocal = tl.math.div_rn(tl.full(safe_scale.shape, 1.0, tl.float32), safe_scale)
-    channel_scale = _by_channel(safe_scale, BLOCK_T, num_groups, GROUP_SIZE)
-    channel_reciprocal = _by_channel(reciprocal, BLOCK_T, num_groups, GROUP_SIZE)
-    first = x * channel_reciprocal
-    remainder = tl.fma(-first, channel_scale, x)
-    quotient = tl.fma(remainder, channel_reciprocal, first)
-    scaled = tl.where(_by_channel(positive, BLOCK_T, num_groups, GROUP_SIZE), quotient, 0.0)
+    channel_scale = tl.reshape(
+        tl.broadcast_to(scale32[:, :, None], (BLOCK_T, num_groups, GROUP_SIZE)), (BLOCK_T, HEAD_DIM)
+    )
+    positive = channel_scale > 0
+    scaled = tl.where(positive, tl.math.div_rn(x, tl.where(positive, channel_scale, 1.0)), 0.0)
     if DITHER:
         per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
-        head_word = head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32)
-        if DITHER_BITS == 8:
-            # -xi built by bits (as the decode kernels do), no integer-to-float conversion.
-            scaled = scaled - _neg_xi8(seed, slots, 0, layer, head_word, BLOCK_T, HEAD_DIM // per_call)
-        else:
-            fields = _dither_fields(seed, slots, 0, layer, head_word, BLOCK_T, HEAD_DIM // per_call, DITHER_BITS)
-            # xi = (2j + 1 - 2**b) / 2**(b + 1): the integer is below 2**24 in magnitude, so both steps are exact.
-            xi = (2 * fields + 1 - (1 << DITHER_BITS)).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
-            scaled = scaled + xi
-    # Adding 1.5 * 2**23 rounds to an integer (ties to even) that sits in the sum's low mantissa bits, on
-    # top of 2**22: |code| <= 127, so the low byte of the bits is the int8 code (no float-to-int step).
-    codes = (scaled + _ROUND_MAGIC).to(tl.int32, bitcast=True)
+        fields = _dither_fields(
+            seed,
+            slots,
+            0,
+            layer,
+            head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32),
+            BLOCK_T,
+            HEAD_DIM // per_call,
+            DITHER_BITS,
+        )
+        # xi = (2j + 1 - 2**b) / 2**(b + 1): the integer is below 2**24 in magnitude, so both steps are exact.
+        xi = (2 * fields + 1 - (1 << DITHER_BITS)).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
+        scaled = scaled + xi
+    codes = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
     if HAS_OUTLIERS:
-        codes = tl.where(is_outlier[None, :], 0, codes)
+        codes = tl.where(is_outlier[None, :], 0.0, codes)
     slot_base = slots[:, None] * NUM_KV_HEADS + head
     tl.store(Codes + slot_base * HEAD_DIM + channels[None, :], codes.to(tl.int8), mask=token_ok[:, None])
     groups = tl.arange(0, num_groups)
