@@ -1,13 +1,15 @@
-"""Static SASS of the int8 decode kernel (``_decode_stage1``) for sm_90, compiled here without a GPU.
+"""Static SASS of the int8 decode stage 1 for sm_90, compiled here without a GPU.
 
-The kernel is limited by instruction issue, not memory (docs/KERNELS.md), so the instructions per
-tile are the quantity to drive down; the timings come from ``bench/bench_kernels.py`` on the H200.
-This compiles the kernel at the benchmark's shape (Qwen2.5-7B: 4 KV heads of 7 query heads, D 128,
-G 32, 8-bit dithers, fp16 query) and launch config (``LAUNCH``: ``BLOCK_N`` 128, 4 warps, 2 stages),
-disassembles it with the ``nvdisasm`` that Triton ships, and prints per variant the instruction count
-of the whole kernel (the token loop runs once per ``BLOCK_N`` tokens; prologue and epilogue are a few
-percent), the registers, the local-memory spill stores, the most frequent opcodes and, with
-``--by-line``, which source lines the instructions come from.
+The int8 kernels are limited by instruction issue and registers, not memory (docs/KERNELS.md), so the
+instructions per 128-token tile are the quantity to drive down; the timings come from
+``bench/bench_kernels.py`` on the H200. This compiles the Gluon stage 1 (``--kernel gluon``, the
+default; ``gluon_decode._decode_stage1_gluon`` with its register caps from ``LAUNCH``) or the Triton
+one (``--kernel triton``; ``triton_kernels._decode_stage1`` at ``LAUNCH``'s tile, warps and stages) at
+the benchmark's shape (Qwen2.5-7B: 4 KV heads of 7 query heads, D 128, G 32, 8-bit dithers, fp16
+query), disassembles it with the ``nvdisasm`` that Triton ships, and prints per variant the
+instructions of the whole kernel and of the token loop alone (one iteration per 128-token tile), the
+registers, the local-memory spill stores, the most frequent opcodes and, with ``--by-line``, which
+source lines the loop's instructions come from.
 
 Use the device's Triton version for figures that match its binaries (3.6 in 2026-12):
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/count_sass.py``.
@@ -43,27 +45,40 @@ _SHAPE = dict(
     NUM_KV_HEADS=4, KV_GROUP=7, BLOCK_H=8, HEAD_DIM=128, GROUP_SIZE=32, DITHER_BITS=8, HAS_OUTLIERS=False,
     OUTLIERS_PAD=2, NUM_OUTLIERS=1, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4, INTERPRETED=False,
 )  # fmt: skip
+_GLUON_SHAPE = dict(NUM_KV_HEADS=4, KV_GROUP=7, HAS_SKIP=False, NUM_SPLITS=4)
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)")
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*)")
 _SOURCE = re.compile(r'//## File "(.*)", line (\d+)')
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 
 
-def compile_cubin(*, certificate: bool, v_dither: bool) -> bytes:
-    """``_decode_stage1`` at the benchmark's shape and ``LAUNCH`` config, as an sm_90 cubin."""
-    kernel = triton_kernels._decode_stage1
-    constants = dict(_SHAPE, BLOCK_N=LAUNCH.block_n, CERTIFICATE=certificate, V_DITHER=v_dither)
+def compile_cubin(*, kernel_name: str, certificate: bool, v_dither: bool) -> bytes:
+    """The stage 1 at the benchmark's shape and ``LAUNCH`` config, as an sm_90 cubin."""
+    if kernel_name == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from witcert.kernels import gluon_decode
+
+        kernel, source_type = gluon_decode._decode_stage1_gluon, GluonASTSource
+        constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate)
+        cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
+        options = {"num_warps": gluon_decode.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
+    else:
+        kernel, source_type = triton_kernels._decode_stage1, ASTSource
+        constants = dict(_SHAPE, BLOCK_N=LAUNCH.block_n, CERTIFICATE=certificate, V_DITHER=v_dither)
+        options = {"num_warps": LAUNCH.num_warps, "num_stages": LAUNCH.num_stages}
+        if LAUNCH.maxnreg:
+            options["maxnreg"] = LAUNCH.maxnreg
+    scalars = dict(_SCALARS, seed_lo="i32", seed_hi="i32")
     signature = {
-        name: "constexpr" if name in constants else ("*" + _POINTERS[name] if name in _POINTERS else _SCALARS[name])
+        name: "constexpr" if name in constants else ("*" + _POINTERS[name] if name in _POINTERS else scalars[name])
         for name in kernel.arg_names
     }
     index = kernel.arg_names.index
     aligned = {(index(k),): [["tt.divisibility", 16]] for k in signature if k in _POINTERS or k.startswith("stride")}
-    source = ASTSource(
+    source = source_type(
         fn=kernel, signature=signature, constexprs={(index(k),): v for k, v in constants.items()}, attrs=aligned
     )
-    options = {"num_warps": LAUNCH.num_warps, "num_stages": LAUNCH.num_stages}
-    if LAUNCH.maxnreg:
-        options["maxnreg"] = LAUNCH.maxnreg
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
@@ -74,33 +89,51 @@ def _tool(name: str, *args: str, cubin: bytes) -> str:
         return subprocess.run([str(_BIN / name), *args, file.name], capture_output=True, text=True, check=True).stdout
 
 
-def profile(cubin: bytes) -> tuple[collections.Counter[str], collections.Counter[tuple[str, int]], int]:
-    """Opcode counts, instruction counts per source line, and registers per thread."""
-    opcodes: collections.Counter[str] = collections.Counter()
-    lines: collections.Counter[tuple[str, int]] = collections.Counter()
+def profile(cubin: bytes) -> tuple[collections.Counter[str], collections.Counter[tuple[str, int]], int, int]:
+    """Opcode counts of the kernel, instructions per source line in the token loop, the loop's length
+    (the longest backward branch's span), and registers per thread."""
+    instructions: list[tuple[str, str, tuple[str, int]]] = []
+    labels: dict[str, int] = {}
     where = ("?", 0)
     for text in _tool("nvdisasm", "-c", "-g", cubin=cubin).splitlines():
-        if source := _SOURCE.search(text):
+        if label := _LABEL.match(text):
+            labels[label.group(1)] = len(instructions)
+        elif source := _SOURCE.search(text):
             where = (source.group(1), int(source.group(2)))
         elif instruction := _INSTRUCTION.match(text):
-            opcodes[instruction.group(1).split(".")[0]] += 1
-            lines[where] += 1
+            instructions.append((instruction.group(1).split(".")[0], instruction.group(2), where))
+    loop = (0, len(instructions))
+    for position, (opcode, operands, _) in enumerate(instructions):
+        target = re.search(r"\.(L_x_\d+)", operands) if opcode == "BRA" else None
+        if target and labels.get(target.group(1), position) < position:
+            start = labels[target.group(1)]
+            if loop == (0, len(instructions)) or position - start > loop[1] - loop[0]:
+                loop = (start, position + 1)
+    opcodes = collections.Counter(opcode for opcode, _, _ in instructions)
+    lines = collections.Counter(where for _, _, where in instructions[loop[0] : loop[1]])
     registers = int(re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", cubin=cubin)).group(1))
-    return opcodes, lines, registers
+    return opcodes, lines, loop[1] - loop[0], registers
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--v-dither", action="store_true", help="the dithered-V variant (default: V nearest)")
+    parser.add_argument("--kernel", choices=["gluon", "triton"], default="gluon", help="which stage 1 (default gluon)")
+    parser.add_argument(
+        "--v-dither", action="store_true", help="the dithered-V variant, Triton only (default: V nearest)"
+    )
     parser.add_argument("--top", type=int, default=10, help="most frequent opcodes to list")
     parser.add_argument("--by-line", type=int, default=0, metavar="N", help="also list the N heaviest source lines")
     args = parser.parse_args(argv)
-    print(f"Triton {triton.__version__}, sm_90, launch {LAUNCH}, V {'dithered' if args.v_dither else 'nearest'}")
+    if args.v_dither and args.kernel == "gluon":
+        parser.error("the Gluon stage 1 has no dithered-V variant (--kernel triton)")
+    print(f"Triton {triton.__version__}, sm_90, {args.kernel} stage 1, launch {LAUNCH}, "
+          f"V {'dithered' if args.v_dither else 'nearest'}")  # fmt: skip
     for certificate in (True, False):
-        opcodes, lines, registers = profile(compile_cubin(certificate=certificate, v_dither=args.v_dither))
+        cubin = compile_cubin(kernel_name=args.kernel, certificate=certificate, v_dither=args.v_dither)
+        opcodes, lines, loop, registers = profile(cubin)
         print(
             f"\n{'with' if certificate else 'without'} certificate: {sum(opcodes.values())} instructions, "
-            f"{registers} registers, {opcodes['STL']} spill stores"
+            f"{loop} in the token loop, {registers} registers, {opcodes['STL']} spill stores"
         )
         print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))
         for (path, line), n in lines.most_common(args.by_line):

@@ -39,14 +39,14 @@ class LaunchConfig:
     maxnreg: int | None = None
     # The Gluon stage 1 (kernels/gluon_decode.py) where it covers the call; False forces the Triton one.
     # Its tile is fixed (128 tokens, 4 warps); only its register caps are tunable, with and without the
-    # certificate. Measured on the H200 (B=32, S=16k, sweep in bench/bench_kernels.py): no cap is fastest
-    # with the certificate, 128 registers (4 programs per SM) without.
+    # certificate. Measured on the H200 (B=32, S=16k, sweep in bench/bench_kernels.py): 128 registers
+    # (4 programs per SM, a few spills) beats 168 and no cap, with and without the certificate.
     gluon: bool = True
     # ... on calls reading at least this many tokens (kv_indices' length, a shape: graph-safe). Below, its
     # fixed cost (operand set-up, the merge of four warps) loses to the Triton kernel (H200 table in
     # docs/KERNELS.md: 1.3x slower at B=1, S=1k; faster from 32k tokens on).
     gluon_min_tokens: int = 32768
-    gluon_maxnreg: int | None = None
+    gluon_maxnreg: int | None = 128
     gluon_maxnreg_nocert: int | None = 128
 
 

@@ -140,6 +140,7 @@ _V_PAIRS4 = gl.constexpr(
 _V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
 # q^T of one group, [warp (broadcast), 32 channels, 8 heads], as loaded (then relabelled like K).
 _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
+_NORMS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
 
 def supports(
@@ -179,6 +180,14 @@ def _q_group(q_ptrs, q_mask, g: gl.constexpr):
         gl.convert_layout(gl.sum(q32 * q32, axis=1), _HEAD_ROW),
         gl.convert_layout(gl.sum(gl.abs(q32), axis=1), _HEAD_ROW),
     )
+
+
+@gluon.jit
+def _store_norms(q_norms, group, g: gl.constexpr):
+    """Row ``3 g``: ``-sum(q_g) / 512``; ``3 g + 1``: ``|q_g|_2^2``; ``3 g + 2``: ``|q_g|_1`` (``[warp, head]``)."""
+    q_norms.index(3 * g).store(group[1])
+    q_norms.index(3 * g + 1).store(group[2])
+    q_norms.index(3 * g + 2).store(group[3])
 
 
 @gluon.jit
@@ -362,7 +371,7 @@ def _pv_tokens(
 
 
 @gluon.jit
-def _qk_group(logits, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_offset, g: gl.constexpr):
+def _qk_group(logits, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_norms, g: gl.constexpr):
     """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled into the logits.
 
     ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
@@ -380,7 +389,8 @@ def _qk_group(logits, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_offs
     code_op, dither_op = _k_operands(codes, gl.convert_layout(pair, _K_GROUP))
     code_op = gl.convert_layout(_relabel_group(code_op, 2), _OP_A)
     dither_op = gl.convert_layout(_relabel_group(dither_op, 2), _OP_A)
-    part = mma_v2(code_op, q_ops[g], q_offset[g][:, None, :].broadcast_to(4, 32, 8))
+    offset = q_norms.index(3 * g).load(_HEAD_ROW)
+    part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))
     part = mma_v2(dither_op, q_ops[g], part)
     scale = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
     return logits + part * scale
@@ -471,9 +481,14 @@ def _decode_stage1_gluon(
     g2 = _q_group(q_ptrs, q_mask, 2)
     g3 = _q_group(q_ptrs, q_mask, 3)
     q_ops = (g0[0], g1[0], g2[0], g3[0])
-    q_offset = (g0[1], g1[1], g2[1], g3[1])
-    q_sq = (g0[2], g1[2], g2[2], g3[2])
-    q_abs = (g0[3], g1[3], g2[3], g3[3])
+    # The per-group norms wait in shared memory (read once per tile): kept in registers through the loop
+    # they cost 24 per thread, enough to hold the certificate kernel at two programs per SM.
+    q_norms = gl.allocate_shared_memory(gl.float32, [12, 4, 8], _NORMS_SHARED)
+    _store_norms(q_norms, g0, 0)
+    _store_norms(q_norms, g1, 1)
+    _store_norms(q_norms, g2, 2)
+    _store_norms(q_norms, g3, 3)
+    gl.thread_barrier()
 
     tail = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_two_over_delta))
     sigma_coef = sm_scale * sm_scale / 12.0
@@ -482,19 +497,9 @@ def _decode_stage1_gluon(
     # Index tensors of each layout the loop loads through.
     warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, _TOKEN_ROW))[:, None] * TOKENS
     tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :]  # [4, 32]
-    words_l: gl.constexpr = gl.SliceLayout(2, _WORDS)
-    tok_w = (
-        gl.arange(0, 4, layout=gl.SliceLayout(1, words_l))[:, None] * TOKENS
-        + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, words_l))[None, :]
-    )
     lane_j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _WORDS)))[None, None, :]
     j_odd = (lane_j & 1) == 1
     call_a = (2 * (lane_j & 1) + (lane_j >> 1)).to(gl.uint32).broadcast_to(4, 32, 4)
-    k_tok_l: gl.constexpr = gl.SliceLayout(2, _K_GROUP)
-    tok_k = (
-        gl.arange(0, 4, layout=gl.SliceLayout(1, k_tok_l))[:, None] * TOKENS
-        + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, k_tok_l))[None, :]
-    )
     chan_k = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _K_GROUP)))[None, None, :]
     v_tok_l: gl.constexpr = gl.SliceLayout(2, _V_LOAD)
     tok_v = (
@@ -523,23 +528,22 @@ def _decode_stage1_gluon(
     head_word = kv_head.to(gl.uint32)
     max_slot = (num_slots - 1).to(gl.uint32)
     for start in range(lo, hi, BLOCK_N):
-        # The tile's tokens as the softmax sees them: masked, range-checked, skipped.
+        # The tile's tokens, read clamped rather than masked: a token past the end or out of range reads
+        # a real slot (codes and scales are finite) and weighs nothing (token_ok).
         offs = start + tok_t
         in_split = offs < hi
-        slots = gl.load(KvIndices + kv_start + offs, mask=in_split, other=0)
+        slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
         in_range = (slots >= 0) & (slots < num_slots)
         bad_slots += (in_split & ~in_range).to(gl.int32)
         token_ok = in_split & in_range
-        base = gl.where(token_ok, slots, 0) * NUM_KV_HEADS + kv_head
+        safe_slots = gl.minimum(slots.to(gl.uint32), max_slot)
+        base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head
         if HAS_SKIP:
             token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
-        # The same tokens in the loads' layouts, clamped rather than masked (an index load hits L1): a
-        # token past the end or out of range reads a real slot and weighs nothing.
-        slots_k = gl.load(KvIndices + kv_start + gl.minimum(start + tok_k, hi - 1))
-        slots_k = gl.minimum(slots_k.to(gl.uint32), max_slot).to(gl.int32)
-        k_rows = (slots_k * NUM_KV_HEADS + kv_head)[:, :, None] * HEAD_DIM + chan_k
-        slots_w = gl.load(KvIndices + kv_start + gl.minimum(start + tok_w, hi - 1))
-        counter0 = gl.minimum(slots_w.to(gl.uint32), max_slot)[:, :, None].broadcast_to(4, 32, 4)
+        # The logits' token rows, the K loads' and the Philox words' are distributed alike: free conversions.
+        k_base = gl.convert_layout(base, gl.SliceLayout(2, _K_GROUP))
+        k_rows = k_base[:, :, None] * HEAD_DIM + chan_k
+        counter0 = gl.convert_layout(safe_slots, gl.SliceLayout(2, _WORDS))[:, :, None].broadcast_to(4, 32, 4)
 
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
         for half in gl.static_range(2):
@@ -552,7 +556,7 @@ def _decode_stage1_gluon(
             got_hi = _swap_with_neighbour(gl.where(j_odd, w1, w3))
             for parity in gl.static_range(2):
                 logits = _qk_group(
-                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, KCodes, k_rows, KScales, base, q_ops, q_offset,
+                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, KCodes, k_rows, KScales, base, q_ops, q_norms,
                     2 * half + parity,
                 )  # fmt: skip
         logits = gl.where(token_ok[:, :, None], logits * sm_scale, -_FP32_INF)
@@ -584,8 +588,8 @@ def _decode_stage1_gluon(
             bias = gl.zeros([4, 32, 8], gl.float32, _MMA)
             for g in gl.static_range(4):
                 scale = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
-                sigma_sq += q_sq[g][:, None, :] * (scale * scale)
-                bias += q_abs[g][:, None, :] * scale
+                sigma_sq += q_norms.index(3 * g + 1).load(_HEAD_ROW)[:, None, :] * (scale * scale)
+                bias += q_norms.index(3 * g + 2).load(_HEAD_ROW)[:, None, :] * scale
             radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
             expm1_u, g_u = _expm1_and_g(radius)
             index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
