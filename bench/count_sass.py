@@ -18,101 +18,12 @@ Use the device's Triton version for figures that match its binaries (3.6 in 2026
 from __future__ import annotations
 
 import argparse
-import collections
-import re
-import subprocess
-import tempfile
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from witcert.kernels import triton_kernels
 from witcert.kernels.attention import LAUNCH
-
-_POINTERS = dict(
-    Q="fp16", KCodes="i8", KScales="fp16", KOutliers="fp16", VCodes="i8", VScales="fp16", VOutliers="fp16",
-    OutlierIndex="i32", OutlierChannels="i32", KvStart="i32", KvLen="i32", KvIndices="i32", Skip="i8",
-    PartOut="fp32", PartLse="fp32", PartMax="fp32", PartA1="fp32", PartB="fp32", PartURest="fp32",
-    PartPRest="fp32", PartU="fp32",
-)  # fmt: skip
-_SCALARS = dict(
-    num_slots="i32", num_kv_indices="i32", stride_qb="i32", stride_qh="i32", sm_scale="fp32",
-    log_two_over_delta="fp32", beta="fp32", seed="i64", layer="i32",
-)  # fmt: skip
-_SHAPE = dict(
-    NUM_KV_HEADS=4, KV_GROUP=7, BLOCK_H=8, HEAD_DIM=128, GROUP_SIZE=32, DITHER_BITS=8, HAS_OUTLIERS=False,
-    OUTLIERS_PAD=2, NUM_OUTLIERS=1, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4, INTERPRETED=False,
-)  # fmt: skip
-_GLUON_SHAPE = dict(NUM_KV_HEADS=4, KV_GROUP=7, HAS_SKIP=False, NUM_SPLITS=4)
-_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*)")
-_SOURCE = re.compile(r'//## File "(.*)", line (\d+)')
-_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
-
-
-def compile_cubin(*, kernel_name: str, certificate: bool, v_dither: bool) -> bytes:
-    """The stage 1 at the benchmark's shape and ``LAUNCH`` config, as an sm_90 cubin."""
-    if kernel_name == "gluon":
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        from witcert.kernels import gluon_decode
-
-        kernel, source_type = gluon_decode._decode_stage1_gluon, GluonASTSource
-        constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate)
-        cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
-        options = {"num_warps": gluon_decode.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
-    else:
-        kernel, source_type = triton_kernels._decode_stage1, ASTSource
-        constants = dict(_SHAPE, BLOCK_N=LAUNCH.block_n, CERTIFICATE=certificate, V_DITHER=v_dither)
-        options = {"num_warps": LAUNCH.num_warps, "num_stages": LAUNCH.num_stages}
-        if LAUNCH.maxnreg:
-            options["maxnreg"] = LAUNCH.maxnreg
-    scalars = dict(_SCALARS, seed_lo="i32", seed_hi="i32")
-    signature = {
-        name: "constexpr" if name in constants else ("*" + _POINTERS[name] if name in _POINTERS else scalars[name])
-        for name in kernel.arg_names
-    }
-    index = kernel.arg_names.index
-    aligned = {(index(k),): [["tt.divisibility", 16]] for k in signature if k in _POINTERS or k.startswith("stride")}
-    source = source_type(
-        fn=kernel, signature=signature, constexprs={(index(k),): v for k, v in constants.items()}, attrs=aligned
-    )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
-
-
-def _tool(name: str, *args: str, cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
-        file.write(cubin)
-        file.flush()
-        return subprocess.run([str(_BIN / name), *args, file.name], capture_output=True, text=True, check=True).stdout
-
-
-def profile(cubin: bytes) -> tuple[collections.Counter[str], collections.Counter[tuple[str, int]], int, int]:
-    """Opcode counts of the kernel, instructions per source line in the token loop, the loop's length
-    (the longest backward branch's span), and registers per thread."""
-    instructions: list[tuple[str, str, tuple[str, int]]] = []
-    labels: dict[str, int] = {}
-    where = ("?", 0)
-    for text in _tool("nvdisasm", "-c", "-g", cubin=cubin).splitlines():
-        if label := _LABEL.match(text):
-            labels[label.group(1)] = len(instructions)
-        elif source := _SOURCE.search(text):
-            where = (source.group(1), int(source.group(2)))
-        elif instruction := _INSTRUCTION.match(text):
-            instructions.append((instruction.group(1).split(".")[0], instruction.group(2), where))
-    loop = (0, len(instructions))
-    for position, (opcode, operands, _) in enumerate(instructions):
-        target = re.search(r"\.(L_x_\d+)", operands) if opcode == "BRA" else None
-        if target and labels.get(target.group(1), position) < position:
-            start = labels[target.group(1)]
-            if loop == (0, len(instructions)) or position - start > loop[1] - loop[0]:
-                loop = (start, position + 1)
-    opcodes = collections.Counter(opcode for opcode, _, _ in instructions)
-    lines = collections.Counter(where for _, _, where in instructions[loop[0] : loop[1]])
-    registers = int(re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", cubin=cubin)).group(1))
-    return opcodes, lines, loop[1] - loop[0], registers
+from witcert.kernels.sass import compile_cubin, profile
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,13 +41,14 @@ def main(argv: list[str] | None = None) -> None:
           f"V {'dithered' if args.v_dither else 'nearest'}")  # fmt: skip
     for certificate in (True, False):
         cubin = compile_cubin(kernel_name=args.kernel, certificate=certificate, v_dither=args.v_dither)
-        opcodes, lines, loop, registers = profile(cubin)
+        result = profile(cubin)
+        opcodes = result.opcodes
         print(
             f"\n{'with' if certificate else 'without'} certificate: {sum(opcodes.values())} instructions, "
-            f"{loop} in the token loop, {registers} registers, {opcodes['STL']} spill stores"
+            f"{result.loop_length} in the token loop, {result.registers} registers, {opcodes['STL']} spill stores"
         )
         print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))
-        for (path, line), n in lines.most_common(args.by_line):
+        for (path, line), n in result.loop_lines.most_common(args.by_line):
             text = Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
             print(f"  {n:5d}  {Path(path).name}:{line}  {text[:90]}")
 

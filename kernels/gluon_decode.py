@@ -42,6 +42,8 @@ HEAD_DIM = gl.constexpr(128)
 GROUP_SIZE = gl.constexpr(32)
 
 _FP32_INF = gl.constexpr(float("inf"))
+# Triton 3.9 renamed Gluon's CTA barrier.
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 
 def _philox_asm() -> str:
@@ -488,7 +490,7 @@ def _decode_stage1_gluon(
     _store_norms(q_norms, g1, 1)
     _store_norms(q_norms, g2, 2)
     _store_norms(q_norms, g3, 3)
-    gl.thread_barrier()
+    _barrier()
 
     tail = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_two_over_delta))
     sigma_coef = sm_scale * sm_scale / 12.0

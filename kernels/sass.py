@@ -1,0 +1,123 @@
+"""Static SASS of the int8 decode stage 1 for sm_90 (Hopper), compiled without a GPU.
+
+The int8 kernels are limited by instruction issue and registers, not memory (docs/KERNELS.md): the
+instructions per 128-token tile are what ``bench/count_sass.py`` reports, and the tests check here that
+the Gluon kernel keeps its operands in registers (no shared-memory traffic in its token loop). The shape
+is the benchmark's: Qwen2.5-7B decode (4 KV heads of 7 query heads, D 128, G 32, 8-bit dithers, fp16
+queries). Figures match the H200's binaries only with the device's Triton version.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from witcert.kernels import triton_kernels
+from witcert.kernels.attention import LAUNCH
+
+_POINTERS = dict(
+    Q="fp16", KCodes="i8", KScales="fp16", KOutliers="fp16", VCodes="i8", VScales="fp16", VOutliers="fp16",
+    OutlierIndex="i32", OutlierChannels="i32", KvStart="i32", KvLen="i32", KvIndices="i32", Skip="i8",
+    PartOut="fp32", PartLse="fp32", PartMax="fp32", PartA1="fp32", PartB="fp32", PartURest="fp32",
+    PartPRest="fp32", PartU="fp32",
+)  # fmt: skip
+_SCALARS = dict(
+    num_slots="i32", num_kv_indices="i32", stride_qb="i32", stride_qh="i32", sm_scale="fp32",
+    log_two_over_delta="fp32", beta="fp32", seed="i64", layer="i32",
+)  # fmt: skip
+_SHAPE = dict(
+    NUM_KV_HEADS=4, KV_GROUP=7, BLOCK_H=8, HEAD_DIM=128, GROUP_SIZE=32, DITHER_BITS=8, HAS_OUTLIERS=False,
+    OUTLIERS_PAD=2, NUM_OUTLIERS=1, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4, INTERPRETED=False,
+)  # fmt: skip
+_GLUON_SHAPE = dict(NUM_KV_HEADS=4, KV_GROUP=7, HAS_SKIP=False, NUM_SPLITS=4)
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*)")
+_SOURCE = re.compile(r'//## File "(.*)", line (\d+)')
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+
+
+def compile_cubin(*, kernel_name: str, certificate: bool, v_dither: bool = False) -> bytes:
+    """The stage 1 (``"gluon"`` or ``"triton"``) at the benchmark's shape and ``LAUNCH`` config, as an
+    sm_90 cubin; compiling needs no GPU."""
+    if kernel_name == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from witcert.kernels import gluon_decode
+
+        kernel, source_type = gluon_decode._decode_stage1_gluon, GluonASTSource
+        constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate)
+        cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
+        options = {"num_warps": gluon_decode.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
+    else:
+        kernel, source_type = triton_kernels._decode_stage1, ASTSource
+        constants = dict(_SHAPE, BLOCK_N=LAUNCH.block_n, CERTIFICATE=certificate, V_DITHER=v_dither)
+        options = {"num_warps": LAUNCH.num_warps, "num_stages": LAUNCH.num_stages}
+        if LAUNCH.maxnreg:
+            options["maxnreg"] = LAUNCH.maxnreg
+    scalars = dict(_SCALARS, seed_lo="i32", seed_hi="i32")
+    signature = {
+        name: "constexpr" if name in constants else ("*" + _POINTERS[name] if name in _POINTERS else scalars[name])
+        for name in kernel.arg_names
+    }
+    index = kernel.arg_names.index
+    aligned = {(index(k),): [["tt.divisibility", 16]] for k in signature if k in _POINTERS or k.startswith("stride")}
+    source = source_type(
+        fn=kernel, signature=signature, constexprs={(index(k),): v for k, v in constants.items()}, attrs=aligned
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+
+
+def _tool(name: str, *args: str, cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([str(_BIN / name), *args, file.name], capture_output=True, text=True, check=True).stdout
+
+
+@dataclass
+class SassProfile:
+    """One cubin's static SASS: opcode counts of the whole kernel and of its token loop (the longest
+    backward branch's span, one iteration per tile), the loop's instructions per source line, registers."""
+
+    opcodes: collections.Counter[str]
+    loop_opcodes: collections.Counter[str]
+    loop_lines: collections.Counter[tuple[str, int]]
+    loop_length: int
+    registers: int
+
+
+def profile(cubin: bytes) -> SassProfile:
+    """Disassemble ``cubin`` (Triton's own ``nvdisasm`` and ``cuobjdump``) into a ``SassProfile``."""
+    instructions: list[tuple[str, str, tuple[str, int]]] = []
+    labels: dict[str, int] = {}
+    where = ("?", 0)
+    for text in _tool("nvdisasm", "-c", "-g", cubin=cubin).splitlines():
+        if label := _LABEL.match(text):
+            labels[label.group(1)] = len(instructions)
+        elif source := _SOURCE.search(text):
+            where = (source.group(1), int(source.group(2)))
+        elif instruction := _INSTRUCTION.match(text):
+            instructions.append((instruction.group(1).split(".")[0], instruction.group(2), where))
+    loop = (0, len(instructions))
+    for position, (opcode, operands, _) in enumerate(instructions):
+        target = re.search(r"\.(L_x_\d+)", operands) if opcode == "BRA" else None
+        if target and labels.get(target.group(1), position) < position:
+            start = labels[target.group(1)]
+            if loop == (0, len(instructions)) or position - start > loop[1] - loop[0]:
+                loop = (start, position + 1)
+    body = instructions[loop[0] : loop[1]]
+    return SassProfile(
+        opcodes=collections.Counter(opcode for opcode, _, _ in instructions),
+        loop_opcodes=collections.Counter(opcode for opcode, _, _ in body),
+        loop_lines=collections.Counter(where for _, _, where in body),
+        loop_length=len(body),
+        registers=int(re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", cubin=cubin)).group(1)),
+    )
