@@ -33,6 +33,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+# Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
+from witcert.kernels.triton_kernels import expm1_and_g, fold_rest, mul_nonneg, split_range
+
 NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
 TOKENS = gl.constexpr(32)
@@ -190,31 +193,6 @@ def _store_norms(q_norms, group, g: gl.constexpr):
     q_norms.index(3 * g).store(group[1])
     q_norms.index(3 * g + 1).store(group[2])
     q_norms.index(3 * g + 2).store(group[3])
-
-
-@gluon.jit
-def _expm1_and_g(u):
-    """``(expm1(u), expm1(u) - u)`` for ``u >= 0`` without cancellation, cheaper than the Triton kernel's.
-
-    Below 1/4 the series of ``g`` to ``u**6 / 720`` (positive terms; truncation below 4e-7 relative); from
-    1/4 on, ``exp(u) - 1`` (relative error of ``g`` below 1e-5 there). Both sit far inside the 2**-10
-    evaluation slack the certificate is multiplied by (reference.CERTIFICATE_EVAL_SLACK).
-    """
-    series = u * (1.0 / 720.0)
-    series = (series + 1.0 / 120.0) * u
-    series = (series + 1.0 / 24.0) * u
-    series = (series + 1.0 / 6.0) * u
-    series = (series + 0.5) * u * u
-    small = u < 0.25
-    big_expm1 = gl.exp(gl.where(small, 0.0, u)) - 1.0
-    expm1 = gl.where(small, series + u, big_expm1)
-    g = gl.where(small, series, gl.where(u == _FP32_INF, _FP32_INF, big_expm1 - u))
-    return expm1, g
-
-
-@gluon.jit
-def _mul_nonneg(a, b):
-    return gl.where((a == _FP32_INF) | (b == _FP32_INF), _FP32_INF, a * b)
 
 
 @gluon.jit
@@ -462,13 +440,7 @@ def _decode_stage1_gluon(
     first_local = (head_block % blocks_per_kv_head) * HEADS
     num_q_heads = NUM_KV_HEADS * KV_GROUP
 
-    kv_start = gl.load(KvStart + row)
-    seq_len = gl.load(KvLen + row)
-    row_ok = (seq_len >= 0) & (kv_start >= 0) & (kv_start + seq_len <= num_kv_indices)
-    seq_len = gl.where(row_ok, seq_len, 0)
-    split_len = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = gl.minimum(lo + split_len, seq_len)
+    kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
     # q^T per channel group, relabelled like K; its norms (radius) and -sum/512 (the dither's offset).
     q_chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_LOAD)))
@@ -593,13 +565,13 @@ def _decode_stage1_gluon(
                 sigma_sq += q_norms.index(3 * g + 1).load(_HEAD_ROW)[:, None, :] * (scale * scale)
                 bias += q_norms.index(3 * g + 2).load(_HEAD_ROW)[:, None, :] * scale
             radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
-            expm1_u, g_u = _expm1_and_g(radius)
+            expm1_u, g_u = expm1_and_g(radius)
             index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
             index = gl.convert_layout(index, _MMA)
             tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
             is_arg = index == tile_arg[:, None, :]
             u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
-            expm1_arg, g_arg = _expm1_and_g(u_arg)
+            expm1_arg, g_arg = expm1_and_g(u_arg)
             rest = (~is_arg) & token_ok[:, :, None] & (weights > 0)
             tile_a1 = gl.sum(gl.where(rest, weights * expm1_u, 0.0), axis=1)
             tile_b = gl.sum(gl.where(rest, weights * g_u, 0.0), axis=1)
@@ -607,21 +579,9 @@ def _decode_stage1_gluon(
             tile_w = gl.sum(gl.where(rest, weights, 0.0), axis=1)
             weight_arg = gl.exp(tile_max - shift)
             moved = tile_max > running_max
-            a1_rest = (
-                _mul_nonneg(a1_rest, alpha)
-                + tile_a1
-                + gl.where(moved, _mul_nonneg(alpha, e_max), _mul_nonneg(weight_arg, expm1_arg))
-            )
-            b_rest = (
-                _mul_nonneg(b_rest, alpha)
-                + tile_b
-                + gl.where(moved, _mul_nonneg(alpha, g_max), _mul_nonneg(weight_arg, g_arg))
-            )
-            u_rest = (
-                _mul_nonneg(u_rest, alpha)
-                + tile_u
-                + gl.where(moved, _mul_nonneg(alpha, u_max), _mul_nonneg(weight_arg, u_arg))
-            )
+            a1_rest = fold_rest(a1_rest, alpha, tile_a1, moved, weight_arg, e_max, expm1_arg)
+            b_rest = fold_rest(b_rest, alpha, tile_b, moved, weight_arg, g_max, g_arg)
+            u_rest = fold_rest(u_rest, alpha, tile_u, moved, weight_arg, u_max, u_arg)
             w_rest = w_rest * alpha + tile_w + gl.where(moved, alpha, weight_arg)
             u_max = gl.where(moved, u_arg, u_max)
             e_max = gl.where(moved, expm1_arg, e_max)
@@ -651,9 +611,9 @@ def _decode_stage1_gluon(
         warp_index = gl.arange(0, 4, layout=gl.SliceLayout(1, _HEAD_ROW))[:, None]
         winner = gl.min(gl.where(live & (running_max == top[None, :]), warp_index, 4), axis=0)
         loser = live & (warp_index != winner[None, :])
-        a1 = gl.sum(_mul_nonneg(warp_weight, a1_rest) + gl.where(loser, _mul_nonneg(warp_weight, e_max), 0.0), axis=0)
-        b = gl.sum(_mul_nonneg(warp_weight, b_rest) + gl.where(loser, _mul_nonneg(warp_weight, g_max), 0.0), axis=0)
-        u = gl.sum(_mul_nonneg(warp_weight, u_rest) + gl.where(loser, _mul_nonneg(warp_weight, u_max), 0.0), axis=0)
+        a1 = gl.sum(mul_nonneg(warp_weight, a1_rest) + gl.where(loser, mul_nonneg(warp_weight, e_max), 0.0), axis=0)
+        b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, mul_nonneg(warp_weight, g_max), 0.0), axis=0)
+        u = gl.sum(mul_nonneg(warp_weight, u_rest) + gl.where(loser, mul_nonneg(warp_weight, u_max), 0.0), axis=0)
         p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
         u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
         gl.store(PartMax + part_row, top + poison, mask=head_ok)
