@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 # Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
-from witcert.kernels.triton_kernels import expm1_and_g, fold_rest, mul_nonneg, split_range
+from witcert.kernels.triton_kernels import expm1_and_g, fold_rest, mul_nonneg, split_range, tile_rest_sums
 
 NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
@@ -565,18 +565,13 @@ def _decode_stage1_gluon(
                 sigma_sq += q_norms.index(3 * g + 1).load(_HEAD_ROW)[:, None, :] * (scale * scale)
                 bias += q_norms.index(3 * g + 2).load(_HEAD_ROW)[:, None, :] * scale
             radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
-            expm1_u, g_u = expm1_and_g(radius)
             index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
             index = gl.convert_layout(index, _MMA)
             tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
             is_arg = index == tile_arg[:, None, :]
             u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
             expm1_arg, g_arg = expm1_and_g(u_arg)
-            rest = (~is_arg) & token_ok[:, :, None] & (weights > 0)
-            tile_a1 = gl.sum(gl.where(rest, weights * expm1_u, 0.0), axis=1)
-            tile_b = gl.sum(gl.where(rest, weights * g_u, 0.0), axis=1)
-            tile_u = gl.sum(gl.where(rest, weights * radius, 0.0), axis=1)
-            tile_w = gl.sum(gl.where(rest, weights, 0.0), axis=1)
+            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, (~is_arg) & token_ok[:, :, None])
             weight_arg = gl.exp(tile_max - shift)
             moved = tile_max > running_max
             a1_rest = fold_rest(a1_rest, alpha, tile_a1, moved, weight_arg, e_max, expm1_arg)

@@ -152,6 +152,21 @@ def split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS: tl.const
 
 
 @triton.jit
+def tile_rest_sums(weights, radius, rest):
+    """The tile's sums over its tokens (axis 1) other than its argmax: ``(A1, B, U, P)`` terms
+    ``p expm1(u)``, ``p g(u)``, ``p u`` and ``p``, for the tokens where ``rest`` holds."""
+    expm1_u, g_u = expm1_and_g(radius)
+    # weights are finite (exp of a logit minus the running max): only a zero weight needs care, so that
+    # 0 * inf adds 0, as mul_nonneg would.
+    rest = rest & (weights > 0)
+    tile_a1 = tl.sum(tl.where(rest, weights * expm1_u, 0.0), axis=1)
+    tile_b = tl.sum(tl.where(rest, weights * g_u, 0.0), axis=1)
+    tile_u = tl.sum(tl.where(rest, weights * radius, 0.0), axis=1)
+    tile_w = tl.sum(tl.where(rest, weights, 0.0), axis=1)
+    return tile_a1, tile_b, tile_u, tile_w
+
+
+@triton.jit
 def fold_rest(rest, alpha, tile, moved, weight_arg, held, arg):
     """One rest sum (over tokens other than the running argmax) after a tile: the old sum rescaled by
     ``alpha``, the tile's own rest terms, and the token that stops being held apart. When the argmax moved
@@ -549,21 +564,13 @@ def _decode_stage1(
             sigma_sq = sigma_sq * sigma_coef
             bias = bias * bias_coef
             radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
-            expm1_u, g_u = expm1_and_g(radius)
             # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
             index = tl.arange(0, BLOCK_N)[None, :]
             tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, BLOCK_N), axis=1)
             is_arg = index == tile_arg[:, None]
             u_arg = tl.sum(tl.where(is_arg, radius, 0.0), axis=1)
             expm1_arg, g_arg = expm1_and_g(u_arg)
-            rest = (~is_arg) & token_ok[None, :]
-            # weights are finite (exp of a logit minus the running max): only a zero weight needs care,
-            # so that 0 * inf adds 0, as _mul_nonneg would.
-            rest = rest & (weights > 0)
-            tile_a1 = tl.sum(tl.where(rest, weights * expm1_u, 0.0), axis=1)
-            tile_b = tl.sum(tl.where(rest, weights * g_u, 0.0), axis=1)
-            tile_u = tl.sum(tl.where(rest, weights * radius, 0.0), axis=1)
-            tile_w = tl.sum(tl.where(rest, weights, 0.0), axis=1)
+            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, (~is_arg) & token_ok[None, :])
             weight_arg = tl.exp(tile_max - shift)
             expm1_old, g_old = expm1_and_g(u_max)
             # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
