@@ -565,13 +565,16 @@ def _decode_stage1_gluon(
                 sigma_sq += q_norms.index(3 * g + 1).load(_HEAD_ROW)[:, None, :] * (scale * scale)
                 bias += q_norms.index(3 * g + 2).load(_HEAD_ROW)[:, None, :] * scale
             radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
+            expm1_u, g_u = expm1_and_g(radius)
             index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
             index = gl.convert_layout(index, _MMA)
             tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
             is_arg = index == tile_arg[:, None, :]
             u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
             expm1_arg, g_arg = expm1_and_g(u_arg)
-            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, (~is_arg) & token_ok[:, :, None])
+            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(
+                weights, radius, expm1_u, g_u, (~is_arg) & token_ok[:, :, None]
+            )
             weight_arg = gl.exp(tile_max - shift)
             moved = tile_max > running_max
             a1_rest = fold_rest(a1_rest, alpha, tile_a1, moved, weight_arg, e_max, expm1_arg)

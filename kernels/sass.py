@@ -121,3 +121,22 @@ def profile(cubin: bytes) -> SassProfile:
         loop_length=len(body),
         registers=int(re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", cubin=cubin)).group(1)),
     )
+
+
+def main() -> None:
+    """``python -m witcert.kernels.sass KERNEL``: the token loop's opcode counts of both certificate variants
+    as JSON. Run in a fresh process: under ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions
+    are interpreted, and a Gluon kernel cannot call them."""
+    import json
+    import sys
+
+    kernel_name = sys.argv[1] if len(sys.argv) > 1 else "gluon"
+    counts = {
+        str(certificate): dict(profile(compile_cubin(kernel_name=kernel_name, certificate=certificate)).loop_opcodes)
+        for certificate in (True, False)
+    }
+    print(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    main()

@@ -152,10 +152,9 @@ def split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS: tl.const
 
 
 @triton.jit
-def tile_rest_sums(weights, radius, rest):
+def tile_rest_sums(weights, radius, expm1_u, g_u, rest):
     """The tile's sums over its tokens (axis 1) other than its argmax: ``(A1, B, U, P)`` terms
     ``p expm1(u)``, ``p g(u)``, ``p u`` and ``p``, for the tokens where ``rest`` holds."""
-    expm1_u, g_u = expm1_and_g(radius)
     # weights are finite (exp of a logit minus the running max): only a zero weight needs care, so that
     # 0 * inf adds 0, as mul_nonneg would.
     rest = rest & (weights > 0)
@@ -564,13 +563,16 @@ def _decode_stage1(
             sigma_sq = sigma_sq * sigma_coef
             bias = bias * bias_coef
             radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
+            expm1_u, g_u = expm1_and_g(radius)
             # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
             index = tl.arange(0, BLOCK_N)[None, :]
             tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, BLOCK_N), axis=1)
             is_arg = index == tile_arg[:, None]
             u_arg = tl.sum(tl.where(is_arg, radius, 0.0), axis=1)
             expm1_arg, g_arg = expm1_and_g(u_arg)
-            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, (~is_arg) & token_ok[None, :])
+            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(
+                weights, radius, expm1_u, g_u, (~is_arg) & token_ok[None, :]
+            )
             weight_arg = tl.exp(tile_max - shift)
             expm1_old, g_old = expm1_and_g(u_max)
             # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
