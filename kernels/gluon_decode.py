@@ -9,14 +9,16 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   (token, channel group) and the channel order inside a group is relabelled (a permutation applied to
   K and q alike, which a dot product ignores) so that those bytes are its fragment's ``k`` slots.
 * **Dither.** A thread's 8 channels of a group sit in one half of one Philox call (16 channels per
-  call), and two lanes share each call: each lane computes two calls per token and swaps the halves
-  it does not need with its neighbour (``shfl.bfly 1``), so no call is computed twice.
-* **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T``: a thread loads 16
-  contiguous V bytes per token, pairs of tokens are interleaved by ``prmt`` into ``f16x2`` registers,
-  and the output channels are relabelled (undone at the store).
+  call), and two lanes share each call: each lane computes two calls per token (one asm block for a
+  thread's four tokens) and swaps the halves it does not need with its neighbour (``shfl.bfly 1``), so
+  no call is computed twice.
+* **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T`` in halves of 16 tokens and
+  64 channels: a thread loads 8 contiguous V bytes per token, one asm block interleaves tokens t and
+  t + 1 by ``prmt`` into ``f16x2`` registers and scales them into the exact ``v_hi + v_lo``, and the
+  output channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max,
   sums and output accumulator; the four are merged once per split, with the same algebra as the
-  split merge of stage 2, so the token loop has no barrier.
+  split merge of stage 2, so the token loop has no barrier. q's per-group norms wait in shared memory.
 
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): codes and ``(128 - j) / 256``
 are exact in fp16 (the remaining ``-1/512`` of ``-xi`` enters as ``-sum(q_g) / 512``, the accumulator's
@@ -24,7 +26,8 @@ initial value), and the output uses the exact ``v_hi + v_lo`` split of ``s * cod
 split into ``p_hi + p_mid``. The outputs are the stage-1 partials of the Triton kernel, so its stage 2
 merges them. Supported: fp16 queries, head_dim 128, channel groups of 32, 8-bit dithers, V rounded
 to nearest, no outlier channels (``supports`` says; everything else runs the Triton kernel). Compiled
-on the GPU only: Gluon has no interpreter, so the contract tests run it on the H200.
+on the GPU only: Gluon has no interpreter, so the contract tests run it on the H200, and CI checks its
+compiled token loop (``tests/test_kernels_sass.py``).
 """
 
 from __future__ import annotations
