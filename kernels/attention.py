@@ -31,21 +31,21 @@ _MAX_SPLITS = 64
 class LaunchConfig:
     """Tile and launch parameters of the stage-1 kernels (the benchmark sweeps them; docs/KERNELS.md)."""
 
-    # Measured on the H200 (bench/results/kernels_h200.json, sweep at B=32, S=16k): 128/4/2 fastest.
+    # The Triton stage 1's tile: 128/4/2 was fastest in the H200 sweeps (B=32, S=16k; docs/KERNELS.md).
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
     # A register cap for the Triton int8 stage 1 (ptxas .maxnreg): more programs per SM against spills.
     maxnreg: int | None = None
     # The Gluon stage 1 (kernels/gluon_decode.py) where it covers the call; False forces the Triton one.
-    # Its tile is fixed (128 tokens, 4 warps); only its register caps are tunable, with and without the
-    # certificate. Measured on the H200 (B=32, S=16k, sweep in bench/bench_kernels.py): 128 registers
-    # (4 programs per SM, a few spills) beats 168 and no cap, with and without the certificate.
     gluon: bool = True
     # ... on calls reading at least this many tokens (kv_indices' length, a shape: graph-safe). Below, its
     # fixed cost (operand set-up, the merge of four warps) loses to the Triton kernel (H200 table in
     # docs/KERNELS.md: 1.3x slower at B=1, S=1k; faster from 32k tokens on).
     gluon_min_tokens: int = 32768
+    # Its tile is fixed (128 tokens, 4 warps); only its register caps are tunable, with and without the
+    # certificate. H200 sweep (B=32, S=16k, bench/bench_kernels.py --sweep gluon): 128 registers (4
+    # programs per SM, a few spills) beats 168 and no cap in both.
     gluon_maxnreg: int | None = 128
     gluon_maxnreg_nocert: int | None = 128
 
