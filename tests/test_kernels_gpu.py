@@ -61,8 +61,8 @@ def test_write_and_dither_are_bit_identical_on_gpu():
 
 
 def test_write_is_bit_identical_across_scales_on_gpu():
-    """Group magnitudes from 1e-6 to 6e4 (fp16 scales from subnormal to ~500): every quotient x / s the
-    write kernel forms without a division must round as the reference's division does."""
+    """Group magnitudes from 1e-6 to 6e4 (fp16 scales from subnormal to ~500): codes and scales equal the
+    reference's bit for bit at every scale, so the kernel's arithmetic rounds as the reference's does."""
     generator = torch.Generator().manual_seed(3)
     tokens = 100_000
     pool = KVPool(tokens, 1, 4, 128, seed=11, v_dither=False, device=CUDA)
