@@ -139,9 +139,12 @@ def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int,
 
 
 def gluon_supports(q: torch.Tensor, pool: KVPool) -> bool:
-    """Whether the Gluon stage 1 covers decode on this pool (``gluon_decode.supports``, 32-bit offsets)."""
+    """Whether the Gluon stage 1 covers decode on this pool (``gluon_decode.supports``, 32-bit offsets, and a
+    GPU with the m16n8k16 ``mma.sync`` it is built on: compute capability 8.0 or newer)."""
     from witcert.kernels import gluon_decode
 
+    if torch.cuda.get_device_capability(q.device)[0] < 8:
+        return False
     return pool.codes[0, 0].numel() < 2**31 and gluon_decode.supports(
         q_dtype=q.dtype,
         head_dim=pool.head_dim,
