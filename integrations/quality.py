@@ -20,12 +20,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from witcert.integrations.gating import CachePolicy
-from witcert.integrations.transformers_cache import (
-    CertificateObserver,
-    WitcertCache,
-    cache_kwarg,
-    use_witcert_attention,
-)
+from witcert.integrations.step_report import CertificateObserver
+from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 from witcert.kernels import reference
 
 

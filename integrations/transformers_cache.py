@@ -45,22 +45,11 @@ from witcert.integrations.gating import (
     merge_exact,
     repair_pool_rows,
 )
+from witcert.integrations.step_report import CertificateObserver, StepReport
 from witcert.kernels import KVPool, decode_attention, reference
 
 ATTENTION_NAME = "witcert"
 _log = logging.getLogger("witcert.integrations")
-
-
-class CertificateObserver(Protocol):
-    """What the cache reports to (``witcert.integrations.CertificateAggregator`` satisfies it)."""
-
-    def observe_layers(
-        self,
-        first_layer: int,
-        certificates: torch.Tensor,
-        fallback: torch.Tensor | None = None,
-        repaired_bytes: torch.Tensor | None = None,
-    ) -> None: ...
 
 
 class DecodeAudit(Protocol):
@@ -154,14 +143,8 @@ class WitcertCache(Cache):
         self._returned: tuple[int, torch.Tensor] | None = None
         # Every layer of a decode step reads the same slots: build the page table once per (batch, length).
         self._page_table: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
-        # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on);
-        # layers 0 .. _step_layers - 1 of the current decode step are written and not yet reported.
-        self._step_certificates: torch.Tensor | None = None
-        self._step_fallbacks: torch.Tensor | None = None
-        self._step_repaired_bytes: torch.Tensor | None = None
-        # Layers whose rows of _step_fallbacks / _step_repaired_bytes hold a repair (not zero): cleared lazily.
-        self._step_repairs_written = [False] * self.num_layers
-        self._step_layers = 0
+        # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on).
+        self._report: StepReport | None = None
 
     # --- storage ---------------------------------------------------------------------------------
 
@@ -217,11 +200,15 @@ class WitcertCache(Cache):
             RepairedStore(kv_heads, head_dim, self.device, self.cache_dtype) for _ in range(self.num_layers)
         ]
         if self.observer is not None and self.policy.mode is not GateMode.OFF:
-            shape = (self.num_layers, batch, self.num_q_heads)
-            self._step_certificates = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            if self.policy.mode is GateMode.GATE:
-                self._step_fallbacks = torch.zeros(shape, dtype=torch.bool, device=self.device)
-                self._step_repaired_bytes = torch.zeros(shape, dtype=torch.int64, device=self.device)
+            self._report = StepReport(
+                self.observer,
+                self.num_layers,
+                batch,
+                self.num_q_heads,
+                gate=self.policy.mode is GateMode.GATE,
+                device=self.device,
+                owner="WitcertCache",
+            )
 
     def slots(self, batch_index: int, length: int) -> torch.Tensor:
         """Pool slots of one sequence's first ``length`` positions (sequence ``b`` owns a contiguous range)."""
@@ -383,57 +370,14 @@ class WitcertCache(Cache):
         self.certificate_total += certificate.numel()
         if self.audit is not None:
             self.audit(self, layer, q.float(), certificate, sm_scale)
-        if self._step_certificates is not None:
-            self._record(layer, certificate, fallback, repaired)
+        if self._report is not None:
+            self._report.record(layer, certificate, fallback, repaired)
         return out
 
-    def _record(
-        self, layer: int, certificate: torch.Tensor, fallback: torch.Tensor | None, repaired: torch.Tensor | None
-    ) -> None:
-        """Copy one layer's certificates into the step buffers; report the step once its last layer is in.
-
-        ``fallback`` and ``repaired`` are ``None`` in observe mode, and in gate mode when nothing was repaired.
-        """
-        if layer != self._step_layers:
-            if layer != 0:
-                raise RuntimeError(
-                    f"layer {layer} decoded after layers 0..{self._step_layers - 1} of this step: WitcertCache "
-                    "reports a step per forward pass and needs its layers in order"
-                )
-            self.flush_certificates()  # the previous step stopped before its last layer (its forward raised)
-        # Device copies: no host sync, no allocation, so a step costs one aggregator launch in all. A gated
-        # layer that repaired nothing (fallback None) costs nothing more unless its rows still hold a repair.
-        self._step_certificates[layer].copy_(certificate)
-        if self._step_fallbacks is not None:
-            if fallback is not None:
-                self._step_fallbacks[layer].copy_(fallback)
-                self._step_repaired_bytes[layer].copy_(repaired)
-            elif self._step_repairs_written[layer]:
-                self._step_fallbacks[layer].zero_()
-                self._step_repaired_bytes[layer].zero_()
-            self._step_repairs_written[layer] = fallback is not None
-        self._step_layers = layer + 1
-        if self._step_layers == self.num_layers:
-            self.flush_certificates()
-
     def flush_certificates(self) -> None:
-        """Report the layers of the current decode step written so far, in one ``observe_layers`` call.
-
-        A complete step is reported by its last layer, so this only matters for a step whose forward pass
-        raised before its last layer: its first layers are reported (as the per-layer path had counted
-        them) when the next decode step starts, or by this call; nothing is reported twice. A no-op when
-        nothing is pending.
-        """
-        if self._step_layers == 0:
-            return
-        layers = slice(0, self._step_layers)
-        self._step_layers = 0
-        self.observer.observe_layers(
-            0,
-            self._step_certificates[layers],
-            fallback=None if self._step_fallbacks is None else self._step_fallbacks[layers],
-            repaired_bytes=None if self._step_repaired_bytes is None else self._step_repaired_bytes[layers],
-        )
+        """Report the layers of a decode step that stopped before its last layer (``StepReport.flush``)."""
+        if self._report is not None:
+            self._report.flush()
 
     def _repair_rows(
         self, layer: int, batch_rows: list[int], length: int, q: torch.Tensor, sm_scale: float

@@ -512,13 +512,13 @@ def test_gate_mode_repairs_heads_above_tau_from_the_exact_backup(monkeypatch):
 def _reports(monkeypatch, backend) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """Every (certificate, fallback, repaired bytes) the backend records, one entry per decode layer call."""
     reported = []
-    record = backend._record
+    record = backend._report.record
 
     def keep(local, certificate, fallback, repaired):
         reported.append(tuple(None if x is None else x.clone() for x in (certificate, fallback, repaired)))
         record(local, certificate, fallback, repaired)
 
-    monkeypatch.setattr(backend, "_record", keep)
+    monkeypatch.setattr(backend._report, "record", keep)
     return reported
 
 
@@ -703,14 +703,14 @@ def test_one_aggregator_launch_per_decode_step_with_the_per_layer_counts(monkeyp
     radix_layers = [_radix_layer(case, i) for i in range(layers)]
     aggregator = backend.aggregator
     per_layer = CertificateAggregator(layers, HEADS, tau=float(tau), stride=2, device="cpu")
-    record = backend._record
+    record = backend._report.record
 
     def per_layer_too(local, certificate, fallback, repaired):
         # What the backend used to report at this point: one observe call per layer, same tensors.
         per_layer.observe(local, certificate, fallback=fallback, repaired_bytes=repaired)
         record(local, certificate, fallback, repaired)
 
-    monkeypatch.setattr(backend, "_record", per_layer_too)
+    monkeypatch.setattr(backend._report, "record", per_layer_too)
 
     def forward(step_case: DenseAttentionCase, upto: int = layers) -> None:
         batch = _forward_batch(step_case, runner)

@@ -48,6 +48,7 @@ from witcert.integrations.gating import (
 from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
 from witcert.integrations.sglang.pool import WitcertKVPool
+from witcert.integrations.step_report import StepReport
 from witcert.kernels import decode_attention, extend_attention
 
 if TYPE_CHECKING:
@@ -107,23 +108,22 @@ class WitcertAttnBackend(AttentionBackend):
         self.forward_metadata: WitcertForwardMetadata | None = None
         self.aggregator: CertificateAggregator | None = None
         self.stream: TelemetryStream | None = None
-        # Per-step report buffers [L, B_max, H_q]; layers 0 .. _step_layers - 1 of the current decode step
-        # (its first _step_rows rows) are written and not yet reported.
-        self._step_certificates: torch.Tensor | None = None
-        self._step_fallbacks: torch.Tensor | None = None
-        self._step_repaired_bytes: torch.Tensor | None = None
-        self._step_layers = 0
-        self._step_rows = 0
+        self._report: StepReport | None = None
         if self.policy.mode is not GateMode.OFF:
             self.aggregator = CertificateAggregator(
                 pool.layer_num, self.num_q_heads, tau=self.policy.tau, stride=self.policy.stride, device=self.device
             )
-            # A decode batch holds at most one sequence per request slot (its padding row included).
-            shape = (pool.layer_num, self.req_to_token.shape[0], self.num_q_heads)
-            self._step_certificates = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            if self.policy.mode is GateMode.GATE:
-                self._step_fallbacks = torch.zeros(shape, dtype=torch.bool, device=self.device)
-                self._step_repaired_bytes = torch.zeros(shape, dtype=torch.int64, device=self.device)
+            # Per-step report buffers [L, B_max, H_q]: a decode batch holds at most one sequence per request
+            # slot (its padding row included).
+            self._report = StepReport(
+                self.aggregator,
+                pool.layer_num,
+                self.req_to_token.shape[0],
+                self.num_q_heads,
+                gate=self.policy.mode is GateMode.GATE,
+                device=self.device,
+                owner="the witcert backend",
+            )
             if self.settings.collector_endpoint is not None:
                 server_args = model_runner.server_args
                 self.stream = TelemetryStream(
@@ -259,56 +259,15 @@ class WitcertAttnBackend(AttentionBackend):
                 merged = merge_exact(out, result.lse, result.accumulators, certificate, exact)
                 out, certificate = merged.out, merged.certificate
             fallback, repaired = self._repair(layer, query, out, certificate)
-        if self.aggregator is not None:
-            self._record(local, certificate, fallback, repaired)
+        if self._report is not None:
+            self._report.record(local, certificate, fallback, repaired)
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    def _record(
-        self, local: int, certificate: torch.Tensor, fallback: torch.Tensor | None, repaired: torch.Tensor | None
-    ) -> None:
-        """Copy one layer's certificates into the step buffers; report the step once its last layer is in."""
-        rows = certificate.shape[0]
-        if local != self._step_layers:
-            if local != 0:
-                raise RuntimeError(
-                    f"layer {local} (local) decoded after layers 0..{self._step_layers - 1} of this step: the "
-                    "witcert backend reports a step per forward pass and needs its layers in order"
-                )
-            self.flush_certificates()  # the previous step stopped before its last layer (its forward raised)
-        elif local > 0 and rows != self._step_rows:
-            raise RuntimeError(f"layer {local} decoded {rows} sequences, layer 0 of this step {self._step_rows}")
-        if rows > self._step_certificates.shape[1]:
-            raise RuntimeError(
-                f"a decode batch of {rows} sequences exceeds the {self._step_certificates.shape[1]} request slots "
-                "the certificate buffers were sized for"
-            )
-        # Device copies: no host sync, no allocation, so a step costs one aggregator launch in all.
-        self._step_certificates[local, :rows].copy_(certificate)
-        if self._step_fallbacks is not None:
-            self._step_fallbacks[local, :rows].copy_(fallback)
-            self._step_repaired_bytes[local, :rows].copy_(repaired)
-        self._step_layers, self._step_rows = local + 1, rows
-        if self._step_layers == self.pool.layer_num:
-            self.flush_certificates()
-
     def flush_certificates(self) -> None:
-        """Report the layers of the current decode step written so far, in one ``observe_layers`` call.
-
-        A complete step is reported by its last layer, so this only matters for a step whose forward pass
-        raised before its last layer: its first layers are reported (as the per-layer path had counted
-        them) when the next decode step starts, or by this call (made at worker exit before the last
-        export); nothing is reported twice. A no-op when nothing is pending.
-        """
-        if self._step_layers == 0:
-            return
-        cells = (slice(0, self._step_layers), slice(0, self._step_rows))
-        self._step_layers = 0
-        self.aggregator.observe_layers(
-            0,
-            self._step_certificates[cells],
-            fallback=None if self._step_fallbacks is None else self._step_fallbacks[cells],
-            repaired_bytes=None if self._step_repaired_bytes is None else self._step_repaired_bytes[cells],
-        )
+        """Report the layers of a decode step that stopped before its last layer (``StepReport.flush``;
+        called at worker exit before the last export)."""
+        if self._report is not None:
+            self._report.flush()
 
     def _close_stream(self) -> None:
         try:
