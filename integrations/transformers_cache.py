@@ -358,7 +358,7 @@ class WitcertCache(Cache):
                 fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
                 repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
                 rows = torch.tensor(over_rows, device=self.device)
-                decoded = self._repair_rows(layer, over_rows, length, q[rows], sm_scale)
+                decoded = self._repair_rows(layer, kv_indices.view(batch, length)[rows], q[rows], sm_scale)
                 out[rows] = decoded.out.to(out.dtype)
                 certificate[rows], fallback[rows], repaired[rows] = (
                     decoded.certificate,
@@ -379,11 +379,9 @@ class WitcertCache(Cache):
         if self._report is not None:
             self._report.flush()
 
-    def _repair_rows(
-        self, layer: int, batch_rows: list[int], length: int, q: torch.Tensor, sm_scale: float
-    ) -> RowsDecode:
-        """Recompute the rows ``batch_rows`` (queries ``q`` ``[R, H_q, D]``) on the repair path, all at once."""
-        slots = torch.stack([self.slots(b, length) for b in batch_rows])  # [R, S]
+    def _repair_rows(self, layer: int, slots: torch.Tensor, q: torch.Tensor, sm_scale: float) -> RowsDecode:
+        """Recompute the rows reading ``slots`` ``[R, S]`` (queries ``q`` ``[R, H_q, D]``) on the repair path, all
+        at once."""
         host_slots = slots.cpu()
 
         def fetch(

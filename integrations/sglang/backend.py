@@ -325,24 +325,23 @@ class WitcertAttnBackend(AttentionBackend):
             if over:
                 by_length.setdefault(indptr[row + 1] - indptr[row], []).append(row)
         for length, rows in by_length.items():
-            decoded = self._repair_rows(layer, query, rows, length)
             index = torch.tensor(rows, device=self.device)
+            decoded = self._repair_rows(layer, query[index], index, length)
             out[index] = decoded.out.to(out.dtype)
             certificate[index] = decoded.certificate
             fallback[index] = decoded.fallback
             repaired[index] = decoded.repaired_bytes
         return fallback, repaired
 
-    def _repair_rows(self, layer: RadixAttention, query: torch.Tensor, rows: list[int], length: int) -> RowsDecode:
-        """``gating.repair_pool_rows`` over batch rows ``rows``, all ``length`` tokens long.
+    def _repair_rows(self, layer: RadixAttention, query: torch.Tensor, rows: torch.Tensor, length: int) -> RowsDecode:
+        """``gating.repair_pool_rows`` over batch rows ``rows`` (their queries ``query``), all ``length`` tokens long.
 
         Pairs repaired at earlier steps come from the pool's device store; new ones from the host backup,
         and join the store and the pool's ``repaired`` mask.
         """
         meta = self.forward_metadata
         local = layer.layer_id - self.pool.start_layer
-        starts = torch.tensor([meta.slot_rows.indptr[row] for row in rows], device=self.device)
-        slots = meta.kv_indices[starts[:, None] + torch.arange(length, device=self.device)]  # [R, S]
+        slots = meta.kv_indices[meta.kv_indptr[rows][:, None] + torch.arange(length, device=self.device)]  # [R, S]
 
         def fetch(
             cells: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
@@ -350,7 +349,7 @@ class WitcertAttnBackend(AttentionBackend):
             return self.pool.exact_rows(layer.layer_id, slots[cells, positions], kv_heads)
 
         return repair_pool_rows(
-            query[torch.tensor(rows, device=self.device)],
+            query,
             self.pool.witcert,
             local,
             slots,
