@@ -41,7 +41,8 @@ class LaunchConfig:
     gluon: bool = True
     # ... on calls reading at least this many tokens (kv_indices' length, a shape: graph-safe). Below, its
     # fixed cost (operand set-up, the merge of four warps) loses to the Triton kernel (H200 table in
-    # docs/KERNELS.md: 1.3x slower at B=1, S=1k; faster from 32k tokens on).
+    # docs/KERNELS.md: 1.37x slower without the certificate at B=1, S=1k). From 32k tokens on it was
+    # faster at every measured size but one, B=1, S=64k without the certificate (1% slower).
     gluon_min_tokens: int = 32768
     # Its tile is fixed (128 tokens, 4 warps); only its register caps are tunable, with and without the
     # certificate. H200 sweep (B=32, S=16k, bench/bench_kernels.py --sweep gluon): 128 registers (4
