@@ -41,14 +41,15 @@ class LaunchConfig:
     gluon: bool = True
     # ... on calls reading at least this many tokens (kv_indices' length, a shape: graph-safe). Below, its
     # fixed cost (operand set-up, the merge of four warps) loses to the Triton kernel (H200 table in
-    # docs/KERNELS.md: 1.37x slower without the certificate at B=1, S=1k). From 32k tokens on it was
-    # faster at every measured size but one, B=1, S=64k without the certificate (1% slower).
-    gluon_min_tokens: int = 32768
+    # docs/KERNELS.md: 1.4x slower at B=8, S=1k). From 16k tokens on it was faster at every measured size,
+    # with and without the certificate.
+    gluon_min_tokens: int = 16384
     # Its tile is fixed (128 tokens, 4 warps); only its register caps are tunable, with and without the
-    # certificate. H200 sweep (B=32, S=16k, bench/bench_kernels.py --sweep gluon): 128 registers (4
-    # programs per SM, a few spills) beats 168 and no cap in both.
-    gluon_maxnreg: int | None = 128
-    gluon_maxnreg_nocert: int | None = 128
+    # certificate. H200 sweep of the pipelined kernel (B=32, S=16k, bench/bench_kernels.py --sweep gluon),
+    # ms with / without the certificate: no cap (223 registers, 2 programs per SM) 0.376 / 0.274, 168
+    # 0.413 / 0.274, 128 0.409 / 0.306.
+    gluon_maxnreg: int | None = None
+    gluon_maxnreg_nocert: int | None = None
 
 
 # Module-level so an engine (or the benchmark) can retune once; read at every launch.

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
 from witcert.kernels.triton_kernels import expm1_and_g, fold_rest, mul_nonneg, split_range, tile_rest_sums
@@ -48,8 +48,9 @@ HEAD_DIM = gl.constexpr(128)
 GROUP_SIZE = gl.constexpr(32)
 
 _FP32_INF = gl.constexpr(float("inf"))
-# Triton 3.9 renamed Gluon's CTA barrier.
+# Triton 3.9 renamed Gluon's CTA barrier and its asynchronous copy.
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
 
 def _philox_asm() -> str:
@@ -149,6 +150,43 @@ _V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
 # q^T of one group, [warp (broadcast), 32 channels, 8 heads], as loaded (then relabelled like K).
 _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
 _NORMS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+# The tile's codes wait in shared memory, copied there asynchronously one step ahead of their use. Each
+# thread copies exactly the bytes it later reads (the copy and the read use one layout), so no barrier is
+# needed. K: [group, warp, token, 32 channels], row-major: the 8 lanes of one token row read 32
+# contiguous bytes, four rows 128. V: [warp, token, 64] with the offset bits ordered so that the 16 lanes
+# of a half-warp (tokens 2, 4; channels 8, 16) read 128 contiguous bytes.
+_K_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+_SCALES_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+# K scales of a tile, [token (32 warp + t), group], copied and read with the tokens placed as in the logits'
+# rows and a token's four groups (8 bytes) in one thread. Double-buffered: the certificate reads tile i's
+# while tile i + 1's are copied.
+_K_SCALES = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[32, 0], [64, 0]],
+        block_bases=[],
+        shape=[128, 4],
+    )
+)
+# V scales of 16 tokens per warp, [warp, token, group], copied with the tokens placed as in _V_LOAD.
+_V_SCALES_COPY = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]],
+        block_bases=[],
+        shape=[4, 16, 4],
+    )
+)
+_V_SHARED = gl.constexpr(
+    gl.SharedLinearLayout(
+        offset_bases=[
+            [0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 2, 0], [0, 4, 0], [0, 0, 32], [0, 1, 0],
+            [0, 8, 0], [1, 0, 0], [2, 0, 0],
+        ]
+    )
+)  # fmt: skip
 
 
 def supports(
@@ -318,27 +356,80 @@ def _relabel_v(x):
 
 
 @gluon.jit
-def _pv_tokens(
-    acc0, acc1, weights, VCodes, VScales, KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr,
-    kv_head,
-):  # fmt: skip
-    """``acc += V^T p^T`` over 16 tokens per warp (``offs``: their positions), the channels in two halves
-    (``acc0``: channels with bit 3 clear, ``acc1``: set), V as ``v_hi + v_lo`` and ``2**14 p`` as
-    ``p_hi + p_mid``: three fp16 MMAs per half."""
-    # Clamped, not masked: tokens past the end read a real slot and weigh nothing.
+def _token_base(KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
+    """Row ``slot * H_kv + kv_head`` of the tokens at ``offs``: clamped, not masked, so that a token past
+    the end or out of range reads a real slot (finite codes and scales) and weighs nothing."""
     slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
-    base = gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32)).to(gl.int32) * NUM_KV_HEADS + kv_head
+    return gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32)).to(gl.int32) * NUM_KV_HEADS + kv_head
+
+
+@gluon.jit
+def _copy_k(k_tiles, k_scales, KCodes, KScales, base, offs, hi):
+    """Start copying the K codes and scales of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to
+    ``k_tiles`` (one buffer per channel group) and ``k_scales``; tokens past ``hi`` are zero-filled."""
+    k_base = gl.convert_layout(base, gl.SliceLayout(2, _K_GROUP))
+    live = (gl.convert_layout(offs, gl.SliceLayout(2, _K_GROUP)) < hi)[:, :, None].broadcast_to(4, 32, 32)
+    chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _K_GROUP)))[None, None, :]
+    rows = k_base[:, :, None] * HEAD_DIM + chan
+    for g in gl.static_range(4):
+        _async_load(k_tiles[g], KCodes + rows + g * GROUP_SIZE, mask=live)
+    token_l: gl.constexpr = gl.SliceLayout(1, _K_SCALES)
+    scale_rows = gl.convert_layout(gl.reshape(base, [BLOCK_N]), token_l)[:, None]
+    scale_live = (gl.convert_layout(gl.reshape(offs, [BLOCK_N]), token_l) < hi)[:, None].broadcast_to(BLOCK_N, 4)
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _K_SCALES))[None, :]
+    _async_load(k_scales, KScales + scale_rows * 4 + groups, mask=scale_live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _k_group_scales(k_scales):
+    """A tile's K scales from shared memory: four ``[warp, token]`` fp32 tensors laid out as the logits' rows."""
+    both = gl.reshape(k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 2, 2])
+    even, odd = gl.split(both)  # groups 0, 2 and 1, 3
+    g0, g2 = gl.split(even)
+    g1, g3 = gl.split(odd)
+    return (
+        gl.convert_layout(g0, _TOKEN_ROW),
+        gl.convert_layout(g1, _TOKEN_ROW),
+        gl.convert_layout(g2, _TOKEN_ROW),
+        gl.convert_layout(g3, _TOKEN_ROW),
+    )
+
+
+@gluon.jit
+def _copy_v(v_tiles, v_scales, VCodes, VScales, bases, offs, hi):
+    """Start copying the V codes and scales of one tile (``offs``: the first 16 tokens of each warp,
+    ``[warp, 16]``; ``bases``: the rows of those and of the next 16) to ``v_tiles``: (tokens 0-15, channels
+    of bit 3 clear), (0-15, set), (16-31, clear), (16-31, set), and ``v_scales`` (tokens 0-15, 16-31)."""
     index = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
-    rows = base[:, :, None] * HEAD_DIM + 16 * (index // 8) + index % 8
-    scale_base = gl.convert_layout(base, gl.SliceLayout(2, _V_SCALES))
-    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES)))[None, None, :]
-    scales = gl.load(VScales + scale_base[:, :, None] * 4 + groups)[:, :, :, None]
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
+    token_l: gl.constexpr = gl.SliceLayout(2, _V_SCALES_COPY)
+    for part in gl.static_range(2):
+        base = bases[part]
+        rows = base[:, :, None] * HEAD_DIM + 16 * (index // 8) + index % 8
+        live = (offs + 16 * part) < hi
+        for half in gl.static_range(2):
+            _async_load(
+                v_tiles[2 * part + half], VCodes + rows + 8 * half, mask=live[:, :, None].broadcast_to(4, 16, 64)
+            )
+        scale_live = gl.convert_layout(live, token_l)[:, :, None].broadcast_to(4, 16, 4)
+        scale_rows = gl.convert_layout(base, token_l)[:, :, None]
+        _async_load(v_scales[part], VScales + scale_rows * 4 + groups, mask=scale_live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
+    """``acc += V^T p^T`` over 16 tokens per warp (``v_tiles``: their codes, the two channel halves;
+    ``v_scales``: their scales), the channels in two halves (``acc0``: channels with bit 3 clear, ``acc1``:
+    set), V as ``v_hi + v_lo`` and ``2**14 p`` as ``p_hi + p_mid``: three fp16 MMAs per half."""
+    scales = v_scales.load(_V_SCALES)[:, :, :, None]
     scales = gl.convert_layout(gl.reshape(scales.broadcast_to(4, 16, 4, 16), [4, 16, 64]), _V_PAIRS)
     scaled = gl.convert_layout(weights, _OP_B)
     p_hi = scaled.to(gl.float16)
     p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)
     for half in gl.static_range(2):
-        codes = gl.load(VCodes + rows + 8 * half)
+        codes = v_tiles[half].load(_V_LOAD)
         v_hi, v_lo = _v_pairs(gl.convert_layout(codes, _V_PAIRS), scales)
         v_hi = _relabel_v(v_hi)
         v_lo = _relabel_v(v_lo)
@@ -354,8 +445,8 @@ def _pv_tokens(
 
 
 @gluon.jit
-def _qk_group(logits, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_norms, g: gl.constexpr):
-    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled into the logits.
+def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_norms, g: gl.constexpr):
+    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled by ``scale`` into the logits.
 
     ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
     holds its own words for the groups of its parity and its neighbour's for the others.
@@ -368,15 +459,14 @@ def _qk_group(logits, words, j_odd, KCodes, k_rows, KScales, base, q_ops, q_norm
     pair = gl.join(gl.where(own, mine_lo, got_lo), gl.where(own, mine_hi, got_hi))
     pair = gl.convert_layout(pair, gl.SliceLayout(4, _K_GROUP5))
     pair = gl.reshape(pair[:, :, :, :, None].broadcast_to(4, 32, 4, 2, 4), [4, 32, 32])
-    codes = gl.load(KCodes + k_rows + g * GROUP_SIZE)
+    codes = k_tiles[g].load(_K_GROUP)
     code_op, dither_op = _k_operands(codes, gl.convert_layout(pair, _K_GROUP))
     code_op = gl.convert_layout(_relabel_group(code_op, 2), _OP_A)
     dither_op = gl.convert_layout(_relabel_group(dither_op, 2), _OP_A)
     offset = q_norms.index(3 * g).load(_HEAD_ROW)
     part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))
     part = mma_v2(dither_op, q_ops[g], part)
-    scale = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
-    return logits + part * scale
+    return logits + part * scale[:, :, None]
 
 
 @gluon.jit
@@ -477,7 +567,6 @@ def _decode_stage1_gluon(
     lane_j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _WORDS)))[None, None, :]
     j_odd = (lane_j & 1) == 1
     call_a = (2 * (lane_j & 1) + (lane_j >> 1)).to(gl.uint32).broadcast_to(4, 32, 4)
-    chan_k = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _K_GROUP)))[None, None, :]
     v_tok_l: gl.constexpr = gl.SliceLayout(2, _V_LOAD)
     tok_v = (
         gl.arange(0, 4, layout=gl.SliceLayout(1, v_tok_l))[:, None] * TOKENS
@@ -504,12 +593,50 @@ def _decode_stage1_gluon(
     layer_word = gl.to_tensor(layer).to(gl.uint32)
     head_word = kv_head.to(gl.uint32)
     max_slot = (num_slots - 1).to(gl.uint32)
+
+    # Codes in shared memory, one tile ahead: tile i + 1's K is copied while tile i's softmax, PV and
+    # certificate run, and its V while tile i + 1's QK runs. Copies are committed in the order K(0), V(0),
+    # K(1), V(1), ..., so waiting until one group is left in flight completes the older of the two.
+    # Separate buffers: the membar analysis would order copies into one buffer's parts by barriers.
+    k_tiles = (
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
+    )
+    v_tiles = (
+        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
+    )
+    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _SCALES_SHARED)
+    v_scales = (
+        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _K_SHARED),
+        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _K_SHARED),
+    )
+    slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
+    first_base = gl.minimum(slots.to(gl.uint32), max_slot).to(gl.int32) * NUM_KV_HEADS + kv_head
+    _copy_k(k_tiles, k_scales.index(0), KCodes, KScales, first_base, lo + tok_t, hi)
+    v_bases = (
+        _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
+        _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
+    )
+    _copy_v(v_tiles, v_scales, VCodes, VScales, v_bases, lo + tok_v, hi)
+    stage = 0
     for start in range(lo, hi, BLOCK_N):
         # The tile's tokens, read clamped rather than masked: a token past the end or out of range reads
-        # a real slot (codes and scales are finite) and weighs nothing (token_ok).
+        # a real slot (codes and scales are finite; the copies of tokens past the end are zero-filled) and
+        # weighs nothing (token_ok).
         offs = start + tok_t
         in_split = offs < hi
-        slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
+        # The next tile's rows, for its copies (loaded now, used after this tile's QK and PV).
+        next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))
+        next_v = start + BLOCK_N + tok_v
+        next_v_bases = (
+            _token_base(KvIndices, kv_start, next_v, hi, num_slots, NUM_KV_HEADS, kv_head),
+            _token_base(KvIndices, kv_start, next_v + 16, hi, num_slots, NUM_KV_HEADS, kv_head),
+        )
         in_range = (slots >= 0) & (slots < num_slots)
         bad_slots += (in_split & ~in_range).to(gl.int32)
         token_ok = in_split & in_range
@@ -517,11 +644,12 @@ def _decode_stage1_gluon(
         base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head
         if HAS_SKIP:
             token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
-        # The logits' token rows, the K loads' and the Philox words' are distributed alike: free conversions.
-        k_base = gl.convert_layout(base, gl.SliceLayout(2, _K_GROUP))
-        k_rows = k_base[:, :, None] * HEAD_DIM + chan_k
+        # The logits' token rows and the Philox words' are distributed alike: a free conversion.
         counter0 = gl.convert_layout(safe_slots, gl.SliceLayout(2, _WORDS))[:, :, None].broadcast_to(4, 32, 4)
 
+        async_copy.wait_group(1)  # this tile's K
+        tile_scales = k_scales.index(stage)
+        group_scales = _k_group_scales(tile_scales)
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
         for half in gl.static_range(2):
             # Call 2 j0 + j1 + 4 half holds group j0 + 2 half; the neighbour's holds the other group.
@@ -533,9 +661,11 @@ def _decode_stage1_gluon(
             got_hi = _swap_with_neighbour(gl.where(j_odd, w1, w3))
             for parity in gl.static_range(2):
                 logits = _qk_group(
-                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, KCodes, k_rows, KScales, base, q_ops, q_norms,
-                    2 * half + parity,
+                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
+                    q_norms, 2 * half + parity,
                 )  # fmt: skip
+        next_base = gl.minimum(next_slots.to(gl.uint32), max_slot).to(gl.int32) * NUM_KV_HEADS + kv_head
+        _copy_k(k_tiles, k_scales.index(1 - stage), KCodes, KScales, next_base, offs + BLOCK_N, hi)
         logits = gl.where(token_ok[:, :, None], logits * sm_scale, -_FP32_INF)
 
         tile_max = gl.max(logits, axis=1)
@@ -550,21 +680,19 @@ def _decode_stage1_gluon(
         first, second = gl.split(halves)
         acc0 = acc0 * alpha[:, None, :]
         acc1 = acc1 * alpha[:, None, :]
-        acc0, acc1 = _pv_tokens(
-            acc0, acc1, first, VCodes, VScales, KvIndices, kv_start, start + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head
-        )
-        acc0, acc1 = _pv_tokens(
-            acc0, acc1, second, VCodes, VScales, KvIndices, kv_start, start + 16 + tok_v, hi, num_slots, NUM_KV_HEADS,
-            kv_head,
-        )  # fmt: skip
+        async_copy.wait_group(1)  # this tile's V
+        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales[0])
+        acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales[1])
+        _copy_v(v_tiles, v_scales, VCodes, VScales, next_v_bases, next_v, hi)
 
         # The certificate after PV, so that none of V's registers is live through it.
         if CERTIFICATE:
-            # The radius from the scales again (L1 hits): nothing of it stays live through the QK loop.
+            # The radius from the scales read again: nothing of it stays live through QK and PV.
             sigma_sq = gl.zeros([4, 32, 8], gl.float32, _MMA)
             bias = gl.zeros([4, 32, 8], gl.float32, _MMA)
+            cert_scales = _k_group_scales(tile_scales)
             for g in gl.static_range(4):
-                scale = gl.load(KScales + base * 4 + g).to(gl.float32)[:, :, None]
+                scale = cert_scales[g][:, :, None]
                 sigma_sq += q_norms.index(3 * g + 1).load(_HEAD_ROW)[:, None, :] * (scale * scale)
                 bias += q_norms.index(3 * g + 2).load(_HEAD_ROW)[:, None, :] * scale
             radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
@@ -589,6 +717,9 @@ def _decode_stage1_gluon(
             g_max = gl.where(moved, g_arg, g_max)
 
         running_max = new_max
+        slots = next_slots
+        stage = 1 - stage
+    async_copy.wait_group(0)  # the copies of the tile past the end (all masked) before the memory is freed
 
     # Merge the four warps (the stage-2 algebra, with each warp's max in place of its LSE).
     top = gl.max(running_max, axis=0)  # [8]

@@ -1,8 +1,9 @@
-"""The Gluon stage 1 compiles for sm_90 on a machine without a GPU and keeps its operands in registers.
+"""The Gluon stage 1 compiles for sm_90 on a machine without a GPU, with its token loop as designed.
 
 Gluon has no interpreter, so CI cannot run it (its contract tests run on the H200: ``pytest -m gpu``);
-what CI can check is the property it exists for, in its SASS: the token loop stages no operand through
-shared memory and needs no barrier, and its tensor-core work is the expected count of ``mma.sync``.
+what CI can check is its SASS: codes and scales reach shared memory only by asynchronous copies, one
+tile ahead (no register-to-shared store), the warps meet at the four barriers the membar analysis puts
+around those copies and nowhere else, and its tensor-core work is the expected count of ``mma.sync``.
 The compile runs in a fresh process with ``TRITON_INTERPRET=0``: this test session interprets Triton's
 library functions, which a compiled Gluon kernel cannot call.
 """
@@ -30,13 +31,16 @@ def loop_opcodes() -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.parametrize("certificate", [True, False], ids=["certificate", "no-certificate"])
-def test_gluon_token_loop_keeps_operands_in_registers(loop_opcodes, certificate):
+def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, certificate):
     loop = loop_opcodes[str(certificate)]
-    assert loop.get("STS", 0) == 0, "an operand goes through shared memory in the token loop"
-    assert loop.get("BAR", 0) == 0, "the warps synchronise inside the token loop"
-    # Shared memory is read only for q's per-group norms: the dither offsets (4), and the radius's
-    # squared and absolute norms (8) with the certificate; one 64-bit read each.
-    assert loop.get("LDS", 0) == (12 if certificate else 4)
+    assert loop.get("STS", 0) == 0, "registers are staged through shared memory in the token loop"
+    # One barrier before each side's copy (the previous tile's reads are done) and one after each wait.
+    assert loop.get("BAR", 0) == 4
+    assert loop.get("DEPBAR", 0) == 2 and loop.get("LDGDEPBAR", 0) == 2
+    # 8-byte copies per thread and tile: K codes 4 tokens x 4 groups, V codes 2 x 2 x 4, K scales 4
+    # tokens, V scales 2 x 4 tokens.
+    assert loop.get("LDGSTS", 0) == 16 + 16 + 4 + 8
+    assert loop.get("LDG", 0) <= 12, "codes or scales are read from global memory into registers"
     # Per warp and 128-token tile: QK 4 groups x (codes, dither) x 2 row tiles x 2 k steps = 32, PV
     # 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48.
     assert loop.get("HMMA", 0) == 80

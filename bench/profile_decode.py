@@ -1,0 +1,60 @@
+"""Run decode stage 1 a few times on one shape, for a profiler to sample (the timings are bench_kernels.py's).
+
+Nsight Compute's warp-state sampling says where a kernel's warps wait, per SASS instruction, e.g.::
+
+    ncu --clock-control none --kernel-name regex:_decode_stage1 --launch-skip 4 --launch-count 1 \\
+        --section WarpStateStats --section SchedulerStats --section SourceCounters -o stage1 \\
+        python bench/profile_decode.py --batch 32 --context 16384 --certificate on
+    ncu -i stage1.ncu-rep --page source --csv --print-source sass > stage1_sass.csv
+
+The shape is Qwen2.5-7B's (28 query heads, 4 KV heads, head_dim 128), one layer, K dithered and V
+rounded to nearest, as in the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from witcert.kernels import KVPool, decode_attention
+from witcert.kernels.attention import LAUNCH
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--certificate", choices=["on", "off"], default="on")
+    parser.add_argument("--stage1", choices=["gluon", "triton"], default="gluon", help="which stage 1 runs")
+    parser.add_argument("--calls", type=int, default=8, help="decode calls to make (profile one past warm-up)")
+    parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (0: none; default: LAUNCH's)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+
+    tokens = args.batch * args.context
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    pool = KVPool(tokens, 1, KV_HEADS, HEAD_DIM, device="cuda")
+    chunk = 2**20
+    for start in range(0, tokens, chunk):
+        stop = min(start + chunk, tokens)
+        k, v = torch.randn(2, stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+        pool.write(0, torch.arange(start, stop, device="cuda"), k, v, validate=False)
+    q = torch.randn(args.batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    indptr = torch.arange(args.batch + 1, device="cuda", dtype=torch.int32) * args.context
+    indices = torch.arange(tokens, device="cuda", dtype=torch.int32)
+    LAUNCH.gluon, LAUNCH.gluon_min_tokens = args.stage1 == "gluon", 0
+    if args.maxnreg is not None:
+        LAUNCH.gluon_maxnreg = LAUNCH.gluon_maxnreg_nocert = args.maxnreg or None
+    for _ in range(args.calls):
+        result = decode_attention(q, pool, 0, indptr, indices, delta_step=0.05, certificate=args.certificate == "on")
+    torch.cuda.synchronize()
+    finite = "n/a" if result.certificate is None else bool(torch.isfinite(result.certificate).all())
+    print(f"stage 1: {result.path}; certificate finite: {finite}")
+
+
+if __name__ == "__main__":
+    main()
