@@ -18,7 +18,9 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   output channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max,
   sums and output accumulator; the four are merged once per split, with the same algebra as the
-  split merge of stage 2, so the token loop has no barrier. q's per-group norms wait in shared memory.
+  split merge of stage 2. q's per-group norms wait in shared memory.
+* **Codes and scales one tile ahead**: tile i + 1's K (codes, scales) and V are copied to shared memory
+  by ``cp.async`` while tile i is computed; the membar analysis adds four CTA barriers per tile.
 
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): codes and ``(128 - j) / 256``
 are exact in fp16 (the remaining ``-1/512`` of ``-xi`` enters as ``-sum(q_g) / 512``, the accumulator's
