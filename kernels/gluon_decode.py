@@ -152,13 +152,14 @@ _V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
 # q^T of one group, [warp (broadcast), 32 channels, 8 heads], as loaded (then relabelled like K).
 _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
 _NORMS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-# The tile's codes wait in shared memory, copied there asynchronously one step ahead of their use. Each
-# thread copies exactly the bytes it later reads (the copy and the read use one layout), so no barrier is
-# needed. K: [group, warp, token, 32 channels], row-major: the 8 lanes of one token row read 32
-# contiguous bytes, four rows 128. V: [warp, token, 64] with the offset bits ordered so that the 16 lanes
-# of a half-warp (tokens 2, 4; channels 8, 16) read 128 contiguous bytes.
-_K_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-_SCALES_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+# The tile's codes and scales wait in shared memory, copied there asynchronously one tile ahead of their
+# use. Each thread copies the code bytes it later reads (the copy and the read use one layout); the
+# barriers the membar analysis adds around the copies make the scales, read by other lanes, visible.
+# K codes, one buffer per group: [warp, token, 32 channels], row-major, so the 8 lanes of one token row
+# read 32 contiguous bytes, four rows 128. V: [warp, token, 64] with the offset bits ordered so that the
+# 16 lanes of a half-warp (tokens 2, 4; channels 8, 16) read 128 contiguous bytes.
+_ROW_MAJOR = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+_ROW_MAJOR_2D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 # K scales of a tile, [token (32 warp + t), group], copied and read with the tokens placed as in the logits'
 # rows and a token's four groups (8 bytes) in one thread. Double-buffered: the certificate reads tile i's
 # while tile i + 1's are copied.
@@ -358,11 +359,17 @@ def _relabel_v(x):
 
 
 @gluon.jit
+def _slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
+    """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing)."""
+    return gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32)).to(gl.int32) * NUM_KV_HEADS + kv_head
+
+
+@gluon.jit
 def _token_base(KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
     """Row ``slot * H_kv + kv_head`` of the tokens at ``offs``: clamped, not masked, so that a token past
     the end or out of range reads a real slot (finite codes and scales) and weighs nothing."""
     slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
-    return gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32)).to(gl.int32) * NUM_KV_HEADS + kv_head
+    return _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)
 
 
 @gluon.jit
@@ -601,10 +608,10 @@ def _decode_stage1_gluon(
     # K(1), V(1), ..., so waiting until one group is left in flight completes the older of the two.
     # Separate buffers: the membar analysis would order copies into one buffer's parts by barriers.
     k_tiles = (
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _K_SHARED),
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
     )
     v_tiles = (
         gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
@@ -612,14 +619,15 @@ def _decode_stage1_gluon(
         gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
         gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
     )
-    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _SCALES_SHARED)
+    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _ROW_MAJOR_2D)
     v_scales = (
-        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _K_SHARED),
-        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _K_SHARED),
+        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _ROW_MAJOR),
     )
     slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
-    first_base = gl.minimum(slots.to(gl.uint32), max_slot).to(gl.int32) * NUM_KV_HEADS + kv_head
-    _copy_k(k_tiles, k_scales.index(0), KCodes, KScales, first_base, lo + tok_t, hi)
+    _copy_k(
+        k_tiles, k_scales.index(0), KCodes, KScales, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi
+    )
     v_bases = (
         _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
         _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
@@ -666,7 +674,7 @@ def _decode_stage1_gluon(
                     logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
                     q_norms, 2 * half + parity,
                 )  # fmt: skip
-        next_base = gl.minimum(next_slots.to(gl.uint32), max_slot).to(gl.int32) * NUM_KV_HEADS + kv_head
+        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
         _copy_k(k_tiles, k_scales.index(1 - stage), KCodes, KScales, next_base, offs + BLOCK_N, hi)
         logits = gl.where(token_ok[:, :, None], logits * sm_scale, -_FP32_INF)
 
