@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
-from witcert.kernels.triton_kernels import expm1_and_g, fold_rest, mul_nonneg, split_range, tile_rest_sums
+from witcert.kernels.triton_kernels import g_of, mul_nonneg, split_range
 
 NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
@@ -479,6 +479,24 @@ def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_norms, g: gl.conste
 
 
 @gluon.jit
+def _thread_sum(x):
+    """``[warp, token, head]`` (logits' layout) summed over the four tokens each thread holds (token bits 3
+    and 4 are register bits): ``[warp, token % 8, head]``, no lane exchange."""
+    return gl.sum(gl.reshape(x, [4, 4, 8, 8]), axis=1)
+
+
+@gluon.jit
+def _rescaled_fold(rescaled, tile, fold_row, fold):
+    """A per-thread rest sum after a tile: the old one ``rescaled`` to the new max, plus the tile's terms and,
+    on lane row 0, the token that stops being held apart."""
+    return (
+        rescaled
+        + tile
+        + gl.where(fold_row, gl.convert_layout(fold, gl.SliceLayout(1, rescaled.type.layout))[:, None, :], 0.0)
+    )
+
+
+@gluon.jit
 def _store_out(
     PartOut, acc, warp_weight, total, poison, part_heads, split, num_heads, NUM_SPLITS: gl.constexpr,
     half: gl.constexpr,
@@ -586,13 +604,16 @@ def _decode_stage1_gluon(
     running_sum = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
     acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    a1_rest = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    b_rest = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    u_rest = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    w_rest = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    # u at each warp's running argmax, with its expm1 and g (kept, not recomputed per tile).
+    # The rest sums (tokens other than the running argmax) of B, U and P, kept per thread over its own
+    # tokens (_thread_sum) and reduced over the lanes once per split; A1 = B + U. Folded argmax terms go
+    # to lane row 0.
+    b_rest = _thread_sum(gl.zeros([4, 32, 8], gl.float32, _MMA))
+    u_rest = b_rest
+    w_rest = b_rest
+    rest_l: gl.constexpr = b_rest.type.layout
+    fold_row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None] == 0
+    # u at each warp's running argmax, with its g (kept, not recomputed per tile).
     u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    e_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     g_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     bad_slots = gl.zeros([4, 32], gl.int32, _TOKEN_ROW)
 
@@ -706,24 +727,34 @@ def _decode_stage1_gluon(
                 sigma_sq += q_norms.index(3 * g + 1).load(_HEAD_ROW)[:, None, :] * (scale * scale)
                 bias += q_norms.index(3 * g + 2).load(_HEAD_ROW)[:, None, :] * scale
             radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
-            expm1_u, g_u = expm1_and_g(radius)
             index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
             index = gl.convert_layout(index, _MMA)
             tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
             is_arg = index == tile_arg[:, None, :]
             u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
-            expm1_arg, g_arg = expm1_and_g(u_arg)
-            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(
-                weights, radius, expm1_u, g_u, (~is_arg) & token_ok[:, :, None]
-            )
+            g_arg = g_of(u_arg)
+            # A zero weight must add 0 even where g is +inf.
+            rest = (~is_arg) & token_ok[:, :, None] & (weights > 0)
+            # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
+            # the max moved into this tile, else this tile's argmax (weight weight_arg).
             weight_arg = gl.exp(tile_max - shift)
             moved = tile_max > running_max
-            a1_rest = fold_rest(a1_rest, alpha, tile_a1, moved, weight_arg, e_max, expm1_arg)
-            b_rest = fold_rest(b_rest, alpha, tile_b, moved, weight_arg, g_max, g_arg)
-            u_rest = fold_rest(u_rest, alpha, tile_u, moved, weight_arg, u_max, u_arg)
-            w_rest = w_rest * alpha + tile_w + gl.where(moved, alpha, weight_arg)
+            fold_b = gl.where(moved, mul_nonneg(alpha, g_max), mul_nonneg(weight_arg, g_arg))
+            fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
+            fold_w = gl.where(moved, alpha, weight_arg)
+            rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
+            # An infinite B stays infinite where alpha underflows to 0 (as mul_nonneg).
+            b_rest = _rescaled_fold(
+                gl.where(b_rest == _FP32_INF, b_rest, b_rest * rest_alpha),
+                _thread_sum(gl.where(rest, weights * g_of(radius), 0.0)),
+                fold_row,
+                fold_b,
+            )
+            u_rest = _rescaled_fold(
+                u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u
+            )
+            w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, fold_w)
             u_max = gl.where(moved, u_arg, u_max)
-            e_max = gl.where(moved, expm1_arg, e_max)
             g_max = gl.where(moved, g_arg, g_max)
 
         running_max = new_max
@@ -753,13 +784,15 @@ def _decode_stage1_gluon(
         warp_index = gl.arange(0, 4, layout=gl.SliceLayout(1, _HEAD_ROW))[:, None]
         winner = gl.min(gl.where(live & (running_max == top[None, :]), warp_index, 4), axis=0)
         loser = live & (warp_index != winner[None, :])
-        a1 = gl.sum(mul_nonneg(warp_weight, a1_rest) + gl.where(loser, mul_nonneg(warp_weight, e_max), 0.0), axis=0)
+        b_rest = gl.convert_layout(gl.sum(b_rest, axis=1), _HEAD_ROW)
+        u_rest = gl.convert_layout(gl.sum(u_rest, axis=1), _HEAD_ROW)
+        w_rest = gl.convert_layout(gl.sum(w_rest, axis=1), _HEAD_ROW)
         b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, mul_nonneg(warp_weight, g_max), 0.0), axis=0)
-        u = gl.sum(mul_nonneg(warp_weight, u_rest) + gl.where(loser, mul_nonneg(warp_weight, u_max), 0.0), axis=0)
+        u = gl.sum(warp_weight * u_rest + gl.where(loser, warp_weight * u_max, 0.0), axis=0)
         p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
         u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
         gl.store(PartMax + part_row, top + poison, mask=head_ok)
-        gl.store(PartA1 + part_row, a1 / safe_sum + poison, mask=head_ok)
+        gl.store(PartA1 + part_row, (b + u) / safe_sum + poison, mask=head_ok)
         gl.store(PartB + part_row, b / safe_sum + poison, mask=head_ok)
         gl.store(PartURest + part_row, u / safe_sum + poison, mask=head_ok)
         gl.store(PartPRest + part_row, p / safe_sum + poison, mask=head_ok)

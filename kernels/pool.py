@@ -14,6 +14,8 @@ from witcert.kernels.backend import kernels_module, select_path
 
 SIDES: tuple[reference.Kind, reference.Kind] = ("k", "v")
 _WRITE_BLOCK_TOKENS = 32
+# The write kernel's (token, head) rows per program; every head of a token goes to the same program.
+_WRITE_ROWS = 32
 
 
 def _pow2(n: int) -> int:
@@ -182,7 +184,9 @@ class KVPool:
         kernels = kernels_module()
         for side, (kind, x) in enumerate(zip(SIDES, (k, v), strict=True)):
             x = x.contiguous()
-            grid = (triton_cdiv(x.shape[0], _WRITE_BLOCK_TOKENS), self.kv_heads)
+            heads_pad = _pow2(self.kv_heads)
+            block_tokens = max(1, _WRITE_ROWS // heads_pad)
+            grid = (triton_cdiv(x.shape[0], block_tokens),)
             kernels._write_kernel[grid](
                 x,
                 slots,
@@ -198,6 +202,7 @@ class KVPool:
                 self.seed,
                 layer,
                 NUM_KV_HEADS=self.kv_heads,
+                HEADS_PAD=heads_pad,
                 KIND_BIT=side,
                 HEAD_DIM=self.head_dim,
                 GROUP_SIZE=self.group_size,
@@ -206,7 +211,7 @@ class KVPool:
                 HAS_OUTLIERS=self.num_outliers > 0,
                 OUTLIERS_PAD=max(2, _pow2(self.num_outliers)),
                 NUM_OUTLIERS=max(1, self.num_outliers),
-                BLOCK_T=_WRITE_BLOCK_TOKENS,
+                BLOCK_T=block_tokens,
             )
 
     def dither_fields(self, layer: int, slots: torch.Tensor, kind: reference.Kind, kv_head: int) -> torch.Tensor:

@@ -55,11 +55,14 @@ def _dither_fields(
 
 @triton.jit
 def _dither_words(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
-    """Philox words ``[N, NCALLS * 4]`` (uint32) for ``N`` slots, calls ``call0`` on, in call * 4 + word order."""
+    """Philox words ``[N, NCALLS * 4]`` (uint32) for ``N`` slots, calls ``call0`` on, in call * 4 + word order.
+
+    ``head_word`` (KV head | kind bit) is a scalar, or ``[N, 1]`` when the rows belong to different heads.
+    """
     n: tl.constexpr = N
     c0 = tl.broadcast_to(slots.to(tl.uint32)[:, None], (n, NCALLS))
     c1 = tl.broadcast_to((call0 + tl.arange(0, NCALLS)).to(tl.uint32)[None, :], (n, NCALLS))
-    # Broadcast the scalars through int32 zeros (works whether Triton passed them as constexpr or tensor).
+    # Broadcast through int32 zeros (works whether Triton passed a scalar as constexpr or tensor).
     c2 = (tl.zeros((n, NCALLS), tl.int32) + layer).to(tl.uint32)
     c3 = (tl.zeros((n, NCALLS), tl.int32) + head_word).to(tl.uint32)
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
@@ -108,12 +111,12 @@ def _dither_fields_kernel(
 
 
 @triton.jit
-def expm1_and_g(u):
-    """``(expm1(u), expm1(u) - u)`` for ``u >= 0`` without cancellation (both decode kernels and stage 2).
+def g_of(u):
+    """``g(u) = expm1(u) - u`` for ``u >= 0`` without cancellation (both decode kernels and stage 2).
 
-    Below 1/4 the series of ``g`` to ``u**6 / 720`` (positive terms; truncation below 4e-7 relative); from
-    1/4 on, ``exp(u) - 1`` (relative error of ``g`` below 1e-5 there). Both sit far inside the 2**-10
-    evaluation slack the certificate is multiplied by (``reference.CERTIFICATE_EVAL_SLACK``).
+    Below 1/4 the series to ``u**6 / 720`` (positive terms; truncation below 4e-7 relative); from 1/4 on,
+    ``exp(u) - 1 - u`` (relative error below 1e-5 there). Both sit far inside the 2**-10 evaluation slack
+    the certificate is multiplied by (``reference.CERTIFICATE_EVAL_SLACK``).
     """
     series = u * (1.0 / 720.0)
     series = (series + 1.0 / 120.0) * u
@@ -121,11 +124,16 @@ def expm1_and_g(u):
     series = (series + 1.0 / 6.0) * u
     series = (series + 0.5) * u * u
     small = u < 0.25
-    big_expm1 = tl.exp(tl.where(small, 0.0, u)) - 1.0
-    expm1 = tl.where(small, series + u, big_expm1)
+    big = (tl.exp(tl.where(small, 0.0, u)) - 1.0) - u
     # At u = +inf, inf - inf would be NaN; g is +inf there.
-    g = tl.where(small, series, tl.where(u == _FP32_INF, _FP32_INF, big_expm1 - u))
-    return expm1, g
+    return tl.where(small, series, tl.where(u == _FP32_INF, _FP32_INF, big))
+
+
+@triton.jit
+def expm1_and_g(u):
+    """``(expm1(u), g(u))`` for ``u >= 0``: ``expm1 = g + u``, a sum of non-negative terms."""
+    g = g_of(u)
+    return g + u, g
 
 
 @triton.jit
@@ -190,6 +198,7 @@ def _write_kernel(
     seed,
     layer,
     NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
     KIND_BIT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -200,27 +209,32 @@ def _write_kernel(
     NUM_OUTLIERS: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Quantize ``BLOCK_T`` tokens of one KV head into their slots, bit-identical to ``reference.quantize``."""
-    pid_t = tl.program_id(0)
-    head = tl.program_id(1)
+    """Quantize ``BLOCK_T`` tokens, all their KV heads, into their slots, bit-identical to ``reference.quantize``.
+
+    Rows are (token, head) pairs with the head fastest: a slot's heads are adjacent in the pool, so one
+    program writes each slot's codes as one run of ``H_kv * HEAD_DIM`` bytes and its scales as one run
+    of ``H_kv * groups`` fp16 (a whole 32-byte sector at 4 heads); a program per head wrote 8-byte
+    pieces of that sector from programs far apart in time.
+    """
+    rows: tl.constexpr = BLOCK_T * HEADS_PAD
     num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_ok = tokens < num_tokens
-    slots = tl.load(Slots + tokens, mask=token_ok, other=0).to(tl.int64)
+    row = tl.arange(0, rows)
+    tokens = tl.program_id(0) * BLOCK_T + row // HEADS_PAD
+    head = row % HEADS_PAD
+    row_ok = (tokens < num_tokens) & (head < NUM_KV_HEADS)
+    slots = tl.load(Slots + tokens, mask=row_ok, other=0).to(tl.int64)
     # An out-of-range slot is skipped, never written: unvalidated input cannot corrupt the pool.
-    token_ok = token_ok & (slots >= 0) & (slots < num_slots)
-    slots = tl.where(token_ok, slots, 0)
+    row_ok = row_ok & (slots >= 0) & (slots < num_slots)
+    slots = tl.where(row_ok, slots, 0)
+    head = tl.where(row_ok, head, 0)
     channels = tl.arange(0, HEAD_DIM)
-    x = tl.load(
-        X + tokens[:, None].to(tl.int64) * stride_xn + head * stride_xh + channels[None, :],
-        mask=token_ok[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    x_row = X + tokens.to(tl.int64) * stride_xn + head * stride_xh
+    x = tl.load(x_row[:, None] + channels[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     magnitude = tl.abs(x)
     if HAS_OUTLIERS:
-        is_outlier = tl.load(OutlierIndex + head * HEAD_DIM + channels) >= 0
-        magnitude = tl.where(is_outlier[None, :], 0.0, magnitude)
-    amax = tl.max(tl.reshape(magnitude, (BLOCK_T, num_groups, GROUP_SIZE)), axis=2)
+        is_outlier = tl.load(OutlierIndex + head[:, None] * HEAD_DIM + channels[None, :]) >= 0
+        magnitude = tl.where(is_outlier, 0.0, magnitude)
+    amax = tl.max(tl.reshape(magnitude, (rows, num_groups, GROUP_SIZE)), axis=2)
     # The smallest fp16 s with s * 126.5 >= amax: round, then step up while too small (s * 126.5 is exact).
     scale = tl.math.div_rn(amax, 126.5).to(tl.float16)
     for _ in tl.static_range(2):
@@ -228,46 +242,31 @@ def _write_kernel(
         bumped = (scale.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
         scale = tl.where(too_small, bumped, scale)
     scale32 = scale.to(tl.float32)
-    channel_scale = tl.reshape(
-        tl.broadcast_to(scale32[:, :, None], (BLOCK_T, num_groups, GROUP_SIZE)), (BLOCK_T, HEAD_DIM)
-    )
+    channel_scale = tl.reshape(tl.broadcast_to(scale32[:, :, None], (rows, num_groups, GROUP_SIZE)), (rows, HEAD_DIM))
     positive = channel_scale > 0
     scaled = tl.where(positive, tl.math.div_rn(x, tl.where(positive, channel_scale, 1.0)), 0.0)
     if DITHER:
         per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
-        fields = _dither_fields(
-            seed,
-            slots,
-            0,
-            layer,
-            head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32),
-            BLOCK_T,
-            HEAD_DIM // per_call,
-            DITHER_BITS,
-        )
+        head_word = head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32)
+        fields = _dither_fields(seed, slots, 0, layer, head_word[:, None], rows, HEAD_DIM // per_call, DITHER_BITS)
         # xi = (2j + 1 - 2**b) / 2**(b + 1): the integer is below 2**24 in magnitude, so both steps are exact.
         xi = (2 * fields + 1 - (1 << DITHER_BITS)).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
         scaled = scaled + xi
     codes = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
     if HAS_OUTLIERS:
-        codes = tl.where(is_outlier[None, :], 0.0, codes)
-    slot_base = slots[:, None] * NUM_KV_HEADS + head
-    tl.store(Codes + slot_base * HEAD_DIM + channels[None, :], codes.to(tl.int8), mask=token_ok[:, None])
+        codes = tl.where(is_outlier, 0.0, codes)
+    slot_base = slots * NUM_KV_HEADS + head
+    tl.store(Codes + slot_base[:, None] * HEAD_DIM + channels[None, :], codes.to(tl.int8), mask=row_ok[:, None])
     groups = tl.arange(0, num_groups)
-    tl.store(Scales + slot_base * num_groups + groups[None, :], scale, mask=token_ok[:, None])
+    tl.store(Scales + slot_base[:, None] * num_groups + groups[None, :], scale, mask=row_ok[:, None])
     if HAS_OUTLIERS:
         index = tl.arange(0, OUTLIERS_PAD)
-        index_ok = index < NUM_OUTLIERS
-        outlier_channel = tl.load(OutlierChannels + head * NUM_OUTLIERS + index, mask=index_ok, other=0)
-        values = tl.load(
-            X + tokens[:, None].to(tl.int64) * stride_xn + head * stride_xh + outlier_channel[None, :],
-            mask=token_ok[:, None] & index_ok[None, :],
+        index_ok = row_ok[:, None] & (index < NUM_OUTLIERS)[None, :]
+        outlier_channel = tl.load(
+            OutlierChannels + head[:, None] * NUM_OUTLIERS + index[None, :], mask=index_ok, other=0
         )
-        tl.store(
-            OutlierValues + slot_base * NUM_OUTLIERS + index[None, :],
-            values,
-            mask=token_ok[:, None] & index_ok[None, :],
-        )
+        values = tl.load(x_row[:, None] + outlier_channel, mask=index_ok)
+        tl.store(OutlierValues + slot_base[:, None] * NUM_OUTLIERS + index[None, :], values, mask=index_ok)
 
 
 @triton.jit

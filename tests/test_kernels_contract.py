@@ -42,13 +42,15 @@ def _query(rows: int, heads: int, head_dim: int = 128, seed: int = 7, scale: flo
 
 
 @pytest.mark.parametrize(
-    ("dither_bits", "outliers", "v_dither"),
-    [(8, False, True), (8, True, False), (16, True, True), (24, False, True)],
+    ("dither_bits", "outliers", "v_dither", "kv_heads"),
+    [(8, False, True, 2), (8, True, False, 3), (16, True, True, 2), (24, False, True, 3)],
 )
-def test_write_is_bit_identical_to_reference(dither_bits, outliers, v_dither):
+def test_write_is_bit_identical_to_reference(dither_bits, outliers, v_dither, kv_heads):
     generator = torch.Generator().manual_seed(dither_bits)
-    kv_heads, head_dim, tokens = 2, 64, 45
-    channels = reference.rope_pair_channels([3, 17], head_dim) if outliers else None
+    head_dim, tokens = 64, 45
+    # Each head its own outlier pairs: the kernel writes every head of a token in one program.
+    pairs = ([3, 17], [0, 30], [9, 10])[:kv_heads]
+    channels = torch.stack([reference.rope_pair_channels(p, head_dim) for p in pairs]) if outliers else None
     pool = KVPool(
         96, 2, kv_heads, head_dim, group_size=16, outlier_channels=channels, seed=2**40 + 5,
         dither_bits=dither_bits, v_dither=v_dither, device="cpu",
