@@ -44,12 +44,25 @@ class LaunchConfig:
     # docs/KERNELS.md: 1.4x slower at B=8, S=1k). From 16k tokens on it was faster at every measured size,
     # with and without the certificate.
     gluon_min_tokens: int = 16384
-    # Its tile is fixed (128 tokens, 4 warps); only its register caps are tunable, with and without the
-    # certificate. H200 sweep of the pipelined kernel (B=32, S=16k, bench/bench_kernels.py --sweep gluon),
-    # ms with / without the certificate: no cap (223 registers, 2 programs per SM) 0.376 / 0.274, 168
-    # 0.413 / 0.274, 128 0.409 / 0.306.
-    gluon_maxnreg: int | None = None
-    gluon_maxnreg_nocert: int | None = None
+    # Its tile is fixed (128 tokens, 4 warps); its register caps (with and without the certificate) decide
+    # how many of its programs an SM holds (gluon_programs_per_sm) and so the default number of splits.
+    # H200, B=32, splits filling one wave (bench/bench_kernels.py --sweep gluon), ms with / without the
+    # certificate: cap 168 (3 per SM, 3 splits) 0.326 / 0.257 at S=16k, 1.263 / 1.020 at 64k; no cap (201 /
+    # 187 registers, 2 per SM, 2 splits) 0.345 / 0.265 and 1.323 / 1.067; cap 160 spills, 0.338 / 0.279.
+    gluon_maxnreg: int | None = 168
+    gluon_maxnreg_nocert: int | None = 168
+
+    def programs_per_sm(self) -> int:
+        """Triton stage-1 programs an SM holds, which the default splits fill (default_num_kv_splits): 65536
+        registers over its threads at the cap, or at 256 uncapped (it compiles to 255)."""
+        return max(1, 65536 // (32 * self.num_warps * (self.maxnreg or 256)))
+
+    def gluon_programs_per_sm(self, certificate: bool) -> int:
+        """Gluon stage-1 programs an SM holds: 65536 registers over 128 threads at the cap; uncapped, the
+        kernel compiles to 187-232 registers (Triton 3.6-3.9), two programs. Shared memory (37 KB per
+        program) allows six."""
+        cap = self.gluon_maxnreg if certificate else self.gluon_maxnreg_nocert
+        return 65536 // (128 * cap) if cap else 2
 
 
 # Module-level so an engine (or the benchmark) can retune once; read at every launch.
@@ -84,15 +97,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def default_num_kv_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per row so that about two programs per SM are in flight; fixed by shapes alone (graph-safe)."""
+def wave_splits(units: int, slots: int) -> int:
+    """The fewest splits per unit of work (a row's block of query heads) whose ``units * splits`` programs
+    keep at least 90% of every wave's ``slots`` busy, at most ``_MAX_SPLITS``.
+
+    The split programs of one call take about the same time, so a last wave that is mostly empty costs as
+    much as a full one; fewer splits mean longer programs, less per-program set-up and less merging.
+    """
+    units = max(1, units)
+    for splits in range(max(1, slots // units), _MAX_SPLITS + 1):
+        programs = units * splits
+        if programs >= 0.9 * slots * math.ceil(programs / slots):
+            return splits
+    return _MAX_SPLITS
+
+
+def default_num_kv_splits(units: int, device: torch.device, programs_per_sm: int = 2) -> int:
+    """``wave_splits`` for a wave of ``programs_per_sm`` programs on every SM of ``device``; shapes alone
+    decide it (graph-safe). Not on a GPU: 4."""
     if device.type != "cuda":
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _sm_count:
         _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    wanted = math.ceil(2 * _sm_count[index] / max(1, rows * kv_heads))
-    return max(1, min(_MAX_SPLITS, _pow2(wanted)))
+    return wave_splits(units, programs_per_sm * _sm_count[index])
 
 
 def _check_index_tensor(name: str, x: torch.Tensor, device: torch.device) -> None:
@@ -157,6 +185,28 @@ def gluon_supports(q: torch.Tensor, pool: KVPool) -> bool:
     )
 
 
+def _runs_gluon(q: torch.Tensor, pool: KVPool, kv_indices: torch.Tensor) -> bool:
+    """Whether decode's stage 1 runs the Gluon kernel (on the GPU, where it covers the call and is faster)."""
+    return (
+        q.device.type == "cuda"
+        and LAUNCH.gluon
+        and kv_indices.numel() >= LAUNCH.gluon_min_tokens
+        and gluon_supports(q, pool)
+    )
+
+
+def _stage1_units(q: torch.Tensor, pool: KVPool, kv_indices: torch.Tensor, certificate: bool) -> tuple[int, int]:
+    """``(programs per split, programs per SM)`` of the stage 1 that runs: what the default splits fill."""
+    from witcert.kernels import gluon_decode
+
+    rows, num_q_heads, _ = q.shape
+    kv_group = num_q_heads // pool.kv_heads
+    if _runs_gluon(q, pool, kv_indices):
+        blocks = -(-kv_group // int(gluon_decode.HEADS))
+        return rows * pool.kv_heads * blocks, LAUNCH.gluon_programs_per_sm(certificate)
+    return rows * pool.kv_heads * -(-kv_group // _pow2(kv_group)), LAUNCH.programs_per_sm()
+
+
 def _run_triton(
     q: torch.Tensor,
     pool: KVPool,
@@ -206,12 +256,7 @@ def _run_triton(
         math.log(2.0 / delta_step) if certificate else 0.0,
         reference.fp_slack(pool.dither_bits),
     )
-    use_gluon = (
-        device.type == "cuda"
-        and LAUNCH.gluon
-        and kv_indices.numel() >= LAUNCH.gluon_min_tokens
-        and gluon_supports(q, pool)
-    )
+    use_gluon = _runs_gluon(q, pool, kv_indices)
     if use_gluon:
         from witcert.kernels import gluon_decode
 
@@ -371,7 +416,11 @@ def _dispatch(
             certificate=certificate,
             skip=skip,
         )
-    splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows, pool.kv_heads, q.device)
+    if num_kv_splits is None:
+        units, programs_per_sm = _stage1_units(q, pool, kv_indices, certificate)
+        splits = default_num_kv_splits(units, q.device, programs_per_sm)
+    else:
+        splits = num_kv_splits
     if not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {_MAX_SPLITS}], got {splits}")
     return _run_triton(
@@ -538,14 +587,15 @@ def decode_attention_fp16(
     kv_heads = k_cache.shape[1]
     kv_group = num_q_heads // kv_heads
     block_h = max(16, _pow2(kv_group))
-    splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows, kv_heads, q.device)
+    head_blocks = kv_heads * -(-kv_group // block_h)
+    splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows * head_blocks, q.device)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     out = _prepare_out(out, rows, num_q_heads, head_dim, q.device)
     part_out = torch.empty(rows, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows, num_q_heads, splits, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=q.device)
     kernels = kernels_module()
-    kernels._decode_stage1_fp16[(rows, kv_heads * -(-kv_group // block_h), splits)](
+    kernels._decode_stage1_fp16[(rows, head_blocks, splits)](
         q,
         k_cache,
         v_cache,

@@ -14,16 +14,25 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from kernel_cases import assert_matches_oracle, filled_pool, oracle, paged_slots, relative_error  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    assert_matches_oracle,
+    far_token_case,
+    filled_pool,
+    oracle,
+    paged_slots,
+    relative_error,
+)
 
 from witcert.kernels import (  # noqa: E402
     KVPool,
+    attention,
     decode_attention,
     decode_attention_fp16,
     extend_attention,
     reference,
     select_path,
 )
+from witcert.kernels.attention import wave_splits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
@@ -180,6 +189,31 @@ def test_certificate_is_inf_where_the_reference_overflows_never_nan():
     assert not torch.isnan(result.certificate).any() and not torch.isnan(result.out).any()
     second = oracle(q[1], pool, 1, slots[40:], delta=DELTA)
     torch.testing.assert_close(result.certificate[1], second.certificate, rtol=1e-4, atol=0.0)
+
+
+def test_default_splits_fill_whole_waves():
+    # H200: 132 SMs; Gluon at its 168-register cap holds 3 programs per SM, the Triton kernel 2.
+    assert wave_splits(32 * 4, 3 * 132) == 3 and wave_splits(8 * 4, 3 * 132) == 12
+    assert wave_splits(32 * 4, 2 * 132) == 2 and wave_splits(64 * 4, 3 * 132) == 3
+    assert wave_splits(4, 3 * 132) == attention._MAX_SPLITS  # one row: as many splits as allowed
+    for slots in (2 * 132, 3 * 132, 4 * 108):
+        for units in range(1, 700):
+            splits = wave_splits(units, slots)
+            waves = math.ceil(units * splits / slots)
+            assert units * splits >= 0.9 * waves * slots or splits == attention._MAX_SPLITS
+            if splits > 1 and splits > slots // units:  # fewer splits would have left a wave emptier
+                fewer = units * (splits - 1)
+                assert fewer < 0.9 * math.ceil(fewer / slots) * slots
+
+
+def test_an_overflowing_radius_counts_where_its_weight_underflows():
+    pool, indptr, slots, q = far_token_case()
+    expected = oracle(q[0], pool, 1, slots, delta=DELTA)
+    assert expected.probs[0, 17] == 0 and torch.isinf(expected.radius[0, 17].expm1())
+    assert torch.isinf(expected.certificate).all()
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    assert torch.isinf(result.certificate[0]).all() and (result.certificate[0] > 0).all()
+    torch.testing.assert_close(result.out[0].float(), expected.out, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_without_certificate_gives_the_same_output():

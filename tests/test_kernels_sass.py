@@ -37,10 +37,12 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
     # One barrier before each side's copy (the previous tile's reads are done) and one after each wait.
     assert loop.get("BAR", 0) == 4
     assert loop.get("DEPBAR", 0) == 2 and loop.get("LDGDEPBAR", 0) == 2
-    # 8-byte copies per thread and tile: K codes 4 tokens x 4 groups, V codes 2 x 2 x 4, K scales 4
-    # tokens, V scales 2 x 4 tokens.
-    assert loop.get("LDGSTS", 0) == 16 + 16 + 4 + 8
-    assert loop.get("LDG", 0) <= 12, "codes or scales are read from global memory into registers"
+    # 8-byte copies per thread and tile: K codes 4 tokens x 4 groups, V codes 2 x 2 x 4, and one token's
+    # scales per lane for K and for V.
+    assert loop.get("LDGSTS", 0) == 16 + 16 + 1 + 1
+    # Only the next tile's slot indices come from global memory into registers (each copy's own tokens).
+    assert loop.get("LDG", 0) <= 14, "codes or scales are read from global memory into registers"
     # Per warp and 128-token tile: QK 4 groups x (codes, dither) x 2 row tiles x 2 k steps = 32, PV
-    # 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48.
-    assert loop.get("HMMA", 0) == 80
+    # 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48; the radius 2 products (sigma^2,
+    # bias) x 2 row tiles x 2 tf32 k steps = 8.
+    assert loop.get("HMMA", 0) == 80 + (8 if certificate else 0)
