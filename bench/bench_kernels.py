@@ -150,9 +150,11 @@ def bench_write(tokens: int = 2**20) -> dict:
 
 
 SWEEP = [
-    # The Gluon stage 1 fixes its tile (128 tokens, 4 warps): only its register caps vary (cert / nocert).
+    # The Gluon stage 1 fixes its tile (128 tokens, 4 warps): only its register caps vary (cert / nocert), and
+    # with them the programs per SM that the default splits fill.
     LaunchConfig(gluon=True, gluon_maxnreg=None, gluon_maxnreg_nocert=None),
     LaunchConfig(gluon=True, gluon_maxnreg=168, gluon_maxnreg_nocert=168),
+    LaunchConfig(gluon=True, gluon_maxnreg=160, gluon_maxnreg_nocert=160),
     LaunchConfig(gluon=True, gluon_maxnreg=128, gluon_maxnreg_nocert=128),
     LaunchConfig(128, 4, 2, gluon=False),
     LaunchConfig(128, 4, 1, gluon=False),

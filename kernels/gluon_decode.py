@@ -149,6 +149,19 @@ _V_PAIRS4 = gl.constexpr(
     )
 )
 _V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
+# The radius as tf32 MMAs (_radius): operands [warp, token, k] x [warp, k, head], and the K scales read with
+# the tokens and groups of the A operand (token rows 8 apart in registers, the group on the lane's low bits).
+_RADIUS_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 1))
+_RADIUS_B = gl.constexpr(gl.DotOperandLayout(1, _MMA, 1))
+_RADIUS_SCALES = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [16, 0]],
+        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[32, 0], [64, 0]],
+        block_bases=[],
+        shape=[128, 4],
+    )
+)
 # q^T of one group, [warp (broadcast), 32 channels, 8 heads], as loaded (then relabelled like K).
 _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
 _NORMS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -160,9 +173,9 @@ _NORMS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 # 16 lanes of a half-warp (tokens 2, 4; channels 8, 16) read 128 contiguous bytes.
 _ROW_MAJOR = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
 _ROW_MAJOR_2D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-# K scales of a tile, [token (32 warp + t), group], copied and read with the tokens placed as in the logits'
-# rows and a token's four groups (8 bytes) in one thread. Double-buffered: the certificate reads tile i's
-# while tile i + 1's are copied.
+# K scales of a tile, [token (32 warp + t), group], read with the tokens placed as in the logits' rows and
+# a token's four groups (8 bytes) in one thread. Double-buffered: the certificate reads tile i's while
+# tile i + 1's are copied.
 _K_SCALES = gl.constexpr(
     gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
@@ -172,14 +185,24 @@ _K_SCALES = gl.constexpr(
         shape=[128, 4],
     )
 )
-# V scales of 16 tokens per warp, [warp, token, group], copied with the tokens placed as in _V_LOAD.
+# The scale copies give each lane one token's four groups (one 8-byte copy, no lane copying what another
+# does): K [token, group], V [4 half + warp, token, group].
+_K_SCALES_COPY = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2]],
+        lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
+        warp_bases=[[32, 0], [64, 0]],
+        block_bases=[],
+        shape=[128, 4],
+    )
+)
 _V_SCALES_COPY = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+        reg_bases=[[0, 0, 1], [0, 0, 2]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [4, 0, 0]],
         warp_bases=[[1, 0, 0], [2, 0, 0]],
         block_bases=[],
-        shape=[4, 16, 4],
+        shape=[8, 16, 4],
     )
 )
 _V_SHARED = gl.constexpr(
@@ -220,23 +243,64 @@ def _relabel_group(x, axis: gl.constexpr):
 
 @gluon.jit
 def _q_group(q_ptrs, q_mask, g: gl.constexpr):
-    """Group ``g`` of q^T: the relabelled MMA operand, ``-sum / 512``, the squared and absolute norms."""
+    """Group ``g`` of q^T: the relabelled MMA operand, and ``sum(q_g)``, ``|q_g|_2^2``, ``|q_g|_1`` per
+    ``[warp, head]`` (laid out as loaded)."""
     q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0)
     q32 = q_g.to(gl.float32)
     return (
         gl.convert_layout(_relabel_group(q_g, 1), _OP_B),
-        gl.convert_layout(gl.sum(q32, axis=1) * (-1.0 / 512.0), _HEAD_ROW),
-        gl.convert_layout(gl.sum(q32 * q32, axis=1), _HEAD_ROW),
-        gl.convert_layout(gl.sum(gl.abs(q32), axis=1), _HEAD_ROW),
+        gl.sum(q32, axis=1),
+        gl.sum(q32 * q32, axis=1),
+        gl.sum(gl.abs(q32), axis=1),
     )
 
 
 @gluon.jit
-def _store_norms(q_norms, group, g: gl.constexpr):
-    """Row ``3 g``: ``-sum(q_g) / 512``; ``3 g + 1``: ``|q_g|_2^2``; ``3 g + 2``: ``|q_g|_1`` (``[warp, head]``)."""
-    q_norms.index(3 * g).store(group[1])
-    q_norms.index(3 * g + 1).store(group[2])
-    q_norms.index(3 * g + 2).store(group[3])
+def _tf32_hi(x):
+    """``x`` with its low 13 mantissa bits cleared: exact in tf32, and ``x - hi`` is exact in float32."""
+    return (x.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _radius_operands(groups, sigma_coef, bias_coef):
+    """The tf32 MMA operands ``[warp, k, head]`` that turn a token's scales into its radius terms.
+
+    Row ``k = 4 d + g`` meets the token's ``(hi, hi, lo, s_g)[d]`` (``_radius``; ``s_g^2 = hi + lo``).
+    ``sigma^2`` takes ``a_g = sm^2 |q_g|^2 / 12`` as ``(a_hi, a_lo, a_hi, 0)``, so that the products are
+    ``hi a_hi + hi a_lo + lo a_hi``: within 2**-21 of the float32 value. The bias takes ``b_g = sm beta
+    |q_g|_1`` rounded up to tf32 at ``d = 3`` (at most 2**-10 above: the bias is a fraction of a percent of
+    ``u``, and larger only loosens the bound).
+    """
+    layout: gl.constexpr = _Q_LOAD
+    k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
+    sigma = gl.zeros([4, 16, 8], gl.float32, layout)
+    bias = gl.zeros([4, 16, 8], gl.float32, layout)
+    for g in gl.static_range(4):
+        a = (groups[g][2] * sigma_coef)[:, None, :]
+        a_hi = _tf32_hi(a)
+        b = (groups[g][3] * bias_coef)[:, None, :]
+        b_hi = _tf32_hi(b)
+        b_up = gl.where(b_hi < b, (b_hi.to(gl.uint32, bitcast=True) + 0x2000).to(gl.float32, bitcast=True), b_hi)
+        sigma = gl.where((k == g) | (k == 8 + g), a_hi, sigma)
+        sigma = gl.where(k == 4 + g, a - a_hi, sigma)
+        bias = gl.where(k == 12 + g, b_up, bias)
+    return sigma, bias
+
+
+@gluon.jit
+def _radius(tile_scales, radius_ops, tail):
+    """``u = c sigma + bias`` per ``[warp, token, head]`` of the tile (the logits' layout), from two tf32
+    products of the tokens' scales with ``_radius_operands``: exact products, float32 sums."""
+    s = gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4])
+    s2 = s * s  # exact: an fp16 scale squared has at most 22 significant bits
+    hi = _tf32_hi(s2)
+    # [warp, token, g, i, o] -> k = 8 o + 4 i + g: (hi, hi, lo, s)[2 o + i].
+    parts = gl.join(gl.join(hi, hi), gl.join(s2 - hi, s))
+    scales = gl.convert_layout(gl.reshape(gl.permute(parts, [0, 1, 4, 3, 2]), [4, 32, 16]), _RADIUS_A)
+    zero = gl.zeros([4, 32, 8], gl.float32, _MMA)
+    sigma_sq = mma_v2(scales, radius_ops[0].load(_RADIUS_B), zero, input_precision="tf32")
+    bias = mma_v2(scales, radius_ops[1].load(_RADIUS_B), zero, input_precision="tf32")
+    return tail * gl.sqrt(sigma_sq) + bias
 
 
 @gluon.jit
@@ -373,21 +437,23 @@ def _token_base(KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.const
 
 
 @gluon.jit
-def _copy_k(k_tiles, k_scales, KCodes, KScales, base, offs, hi):
-    """Start copying the K codes and scales of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to
-    ``k_tiles`` (one buffer per channel group) and ``k_scales``; tokens past ``hi`` are zero-filled."""
+def _copy_k(k_tiles, KCodes, base, offs, hi):
+    """Start copying the K codes of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to ``k_tiles``
+    (one buffer per channel group); tokens past ``hi`` are zero-filled."""
     k_base = gl.convert_layout(base, gl.SliceLayout(2, _K_GROUP))
     live = (gl.convert_layout(offs, gl.SliceLayout(2, _K_GROUP)) < hi)[:, :, None].broadcast_to(4, 32, 32)
     chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _K_GROUP)))[None, None, :]
     rows = k_base[:, :, None] * HEAD_DIM + chan
     for g in gl.static_range(4):
         _async_load(k_tiles[g], KCodes + rows + g * GROUP_SIZE, mask=live)
-    token_l: gl.constexpr = gl.SliceLayout(1, _K_SCALES)
-    scale_rows = gl.convert_layout(gl.reshape(base, [BLOCK_N]), token_l)[:, None]
-    scale_live = (gl.convert_layout(gl.reshape(offs, [BLOCK_N]), token_l) < hi)[:, None].broadcast_to(BLOCK_N, 4)
-    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _K_SCALES))[None, :]
-    _async_load(k_scales, KScales + scale_rows * 4 + groups, mask=scale_live)
-    async_copy.commit_group()
+
+
+@gluon.jit
+def _copy_scales(scales, Scales, rows, offs, hi, groups):
+    """Start copying the four group scales of the tokens at ``offs`` (pool rows ``rows``, one token per lane)
+    to ``scales``; ``groups`` is ``0..3`` laid out beside them. Tokens past ``hi`` are zero-filled."""
+    live = gl.expand_dims(offs < hi, -1) & (groups >= 0)
+    _async_load(scales, Scales + gl.expand_dims(rows, -1) * 4 + groups, mask=live)
 
 
 @gluon.jit
@@ -406,25 +472,16 @@ def _k_group_scales(k_scales):
 
 
 @gluon.jit
-def _copy_v(v_tiles, v_scales, VCodes, VScales, bases, offs, hi):
-    """Start copying the V codes and scales of one tile (``offs``: the first 16 tokens of each warp,
-    ``[warp, 16]``; ``bases``: the rows of those and of the next 16) to ``v_tiles``: (tokens 0-15, channels
-    of bit 3 clear), (0-15, set), (16-31, clear), (16-31, set), and ``v_scales`` (tokens 0-15, 16-31)."""
+def _copy_v(v_tiles, VCodes, bases, offs, hi):
+    """Start copying the V codes of one tile (``offs``: the first 16 tokens of each warp, ``[warp, 16]``;
+    ``bases``: the rows of those and of the next 16) to ``v_tiles``: (tokens 0-15, channels of bit 3 clear),
+    (0-15, set), (16-31, clear), (16-31, set)."""
     index = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
-    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
-    token_l: gl.constexpr = gl.SliceLayout(2, _V_SCALES_COPY)
     for part in gl.static_range(2):
-        base = bases[part]
-        rows = base[:, :, None] * HEAD_DIM + 16 * (index // 8) + index % 8
-        live = (offs + 16 * part) < hi
+        rows = bases[part][:, :, None] * HEAD_DIM + 16 * (index // 8) + index % 8
+        live = ((offs + 16 * part) < hi)[:, :, None].broadcast_to(4, 16, 64)
         for half in gl.static_range(2):
-            _async_load(
-                v_tiles[2 * part + half], VCodes + rows + 8 * half, mask=live[:, :, None].broadcast_to(4, 16, 64)
-            )
-        scale_live = gl.convert_layout(live, token_l)[:, :, None].broadcast_to(4, 16, 4)
-        scale_rows = gl.convert_layout(base, token_l)[:, :, None]
-        _async_load(v_scales[part], VScales + scale_rows * 4 + groups, mask=scale_live)
-    async_copy.commit_group()
+            _async_load(v_tiles[2 * part + half], VCodes + rows + 8 * half, mask=live)
 
 
 @gluon.jit
@@ -454,7 +511,7 @@ def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
 
 
 @gluon.jit
-def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_norms, g: gl.constexpr):
+def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_offsets, g: gl.constexpr):
     """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled by ``scale`` into the logits.
 
     ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
@@ -472,7 +529,7 @@ def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_norms, g: gl.conste
     code_op, dither_op = _k_operands(codes, gl.convert_layout(pair, _K_GROUP))
     code_op = gl.convert_layout(_relabel_group(code_op, 2), _OP_A)
     dither_op = gl.convert_layout(_relabel_group(dither_op, 2), _OP_A)
-    offset = q_norms.index(3 * g).load(_HEAD_ROW)
+    offset = q_offsets.index(g).load(_HEAD_ROW)
     part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))
     part = mma_v2(dither_op, q_ops[g], part)
     return logits + part * scale[:, :, None]
@@ -575,18 +632,24 @@ def _decode_stage1_gluon(
     g2 = _q_group(q_ptrs, q_mask, 2)
     g3 = _q_group(q_ptrs, q_mask, 3)
     q_ops = (g0[0], g1[0], g2[0], g3[0])
-    # The per-group norms wait in shared memory (read once per tile): kept in registers through the loop
-    # they cost 24 per thread, enough to hold the certificate kernel at two programs per SM.
-    q_norms = gl.allocate_shared_memory(gl.float32, [12, 4, 8], _NORMS_SHARED)
-    _store_norms(q_norms, g0, 0)
-    _store_norms(q_norms, g1, 1)
-    _store_norms(q_norms, g2, 2)
-    _store_norms(q_norms, g3, 3)
+    # -sum(q_g) / 512 (the dither's offset) and the radius operands wait in shared memory, read once per
+    # tile: kept in registers through the loop they would cost more than the spills they would save.
+    q_offsets = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
+    q_offsets.index(0).store(g0[1] * (-1.0 / 512.0))
+    q_offsets.index(1).store(g1[1] * (-1.0 / 512.0))
+    q_offsets.index(2).store(g2[1] * (-1.0 / 512.0))
+    q_offsets.index(3).store(g3[1] * (-1.0 / 512.0))
+    radius_ops = (
+        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
+    )
+    if CERTIFICATE:
+        sigma_op, bias_op = _radius_operands((g0, g1, g2, g3), sm_scale * sm_scale / 12.0, sm_scale * beta)
+        radius_ops[0].store(sigma_op)
+        radius_ops[1].store(bias_op)
     _barrier()
 
     tail = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_two_over_delta))
-    sigma_coef = sm_scale * sm_scale / 12.0
-    bias_coef = sm_scale * beta
 
     # Index tensors of each layout the loop loads through.
     warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, _TOKEN_ROW))[:, None] * TOKENS
@@ -641,19 +704,30 @@ def _decode_stage1_gluon(
         gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
     )
     k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _ROW_MAJOR_2D)
-    v_scales = (
-        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.float16, [4, 16, 4], _ROW_MAJOR),
+    v_scales = gl.allocate_shared_memory(gl.float16, [8, 16, 4], _ROW_MAJOR)
+    # The scale copies' tokens (one per lane) and groups: K [128]; V [4 half + warp, 16], token 32 warp +
+    # 16 half + t.
+    tok_ks = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _K_SCALES_COPY))
+    groups_ks = gl.arange(0, 4, layout=gl.SliceLayout(0, _K_SCALES_COPY))[None, :]
+    vs_l: gl.constexpr = gl.SliceLayout(2, _V_SCALES_COPY)
+    half_warp = gl.arange(0, 8, layout=gl.SliceLayout(1, vs_l))[:, None]
+    tok_vs = (
+        (half_warp % 4) * TOKENS + (half_warp // 4) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, vs_l))[None, :]
     )
+    groups_vs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
     slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
-    _copy_k(
-        k_tiles, k_scales.index(0), KCodes, KScales, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi
-    )
+    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi)
+    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)
+    _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)
+    async_copy.commit_group()
     v_bases = (
         _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
         _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
     )
-    _copy_v(v_tiles, v_scales, VCodes, VScales, v_bases, lo + tok_v, hi)
+    _copy_v(v_tiles, VCodes, v_bases, lo + tok_v, hi)
+    rows = _token_base(KvIndices, kv_start, lo + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head)
+    _copy_scales(v_scales, VScales, rows, lo + tok_vs, hi, groups_vs)
+    async_copy.commit_group()
     stage = 0
     for start in range(lo, hi, BLOCK_N):
         # The tile's tokens, read clamped rather than masked: a token past the end or out of range reads
@@ -667,6 +741,12 @@ def _decode_stage1_gluon(
         next_v_bases = (
             _token_base(KvIndices, kv_start, next_v, hi, num_slots, NUM_KV_HEADS, kv_head),
             _token_base(KvIndices, kv_start, next_v + 16, hi, num_slots, NUM_KV_HEADS, kv_head),
+        )
+        next_k_scale_rows = _token_base(
+            KvIndices, kv_start, start + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head
+        )
+        next_v_scale_rows = _token_base(
+            KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head
         )
         in_range = (slots >= 0) & (slots < num_slots)
         bad_slots += (in_split & ~in_range).to(gl.int32)
@@ -693,10 +773,12 @@ def _decode_stage1_gluon(
             for parity in gl.static_range(2):
                 logits = _qk_group(
                     logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
-                    q_norms, 2 * half + parity,
+                    q_offsets, 2 * half + parity,
                 )  # fmt: skip
         next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
-        _copy_k(k_tiles, k_scales.index(1 - stage), KCodes, KScales, next_base, offs + BLOCK_N, hi)
+        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi)
+        _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
+        async_copy.commit_group()
         logits = gl.where(token_ok[:, :, None], logits * sm_scale, -_FP32_INF)
 
         tile_max = gl.max(logits, axis=1)
@@ -712,29 +794,23 @@ def _decode_stage1_gluon(
         acc0 = acc0 * alpha[:, None, :]
         acc1 = acc1 * alpha[:, None, :]
         async_copy.wait_group(1)  # this tile's V
-        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales[0])
-        acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales[1])
-        _copy_v(v_tiles, v_scales, VCodes, VScales, next_v_bases, next_v, hi)
+        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
+        acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
+        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi)
+        _copy_scales(v_scales, VScales, next_v_scale_rows, start + BLOCK_N + tok_vs, hi, groups_vs)
+        async_copy.commit_group()
 
         # The certificate after PV, so that none of V's registers is live through it.
         if CERTIFICATE:
             # The radius from the scales read again: nothing of it stays live through QK and PV.
-            sigma_sq = gl.zeros([4, 32, 8], gl.float32, _MMA)
-            bias = gl.zeros([4, 32, 8], gl.float32, _MMA)
-            cert_scales = _k_group_scales(tile_scales)
-            for g in gl.static_range(4):
-                scale = cert_scales[g][:, :, None]
-                sigma_sq += q_norms.index(3 * g + 1).load(_HEAD_ROW)[:, None, :] * (scale * scale)
-                bias += q_norms.index(3 * g + 2).load(_HEAD_ROW)[:, None, :] * scale
-            radius = gl.where(token_ok[:, :, None], tail * gl.sqrt(sigma_sq * sigma_coef) + bias * bias_coef, 0.0)
+            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
             index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
             index = gl.convert_layout(index, _MMA)
             tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
             is_arg = index == tile_arg[:, None, :]
             u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
-            g_arg = g_of(u_arg)
-            # A zero weight must add 0 even where g is +inf.
-            rest = (~is_arg) & token_ok[:, :, None] & (weights > 0)
+            g_arg = g_of(u_arg, True)
+            rest = (~is_arg) & token_ok[:, :, None]
             # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
             # the max moved into this tile, else this tile's argmax (weight weight_arg).
             weight_arg = gl.exp(tile_max - shift)
@@ -746,7 +822,8 @@ def _decode_stage1_gluon(
             # An infinite B stays infinite where alpha underflows to 0 (as mul_nonneg).
             b_rest = _rescaled_fold(
                 gl.where(b_rest == _FP32_INF, b_rest, b_rest * rest_alpha),
-                _thread_sum(gl.where(rest, weights * g_of(radius), 0.0)),
+                # A weight that underflowed to 0 next to g = +inf adds +inf, as in the reference (mul_nonneg).
+                _thread_sum(gl.where(rest, mul_nonneg(weights, g_of(radius, True)), 0.0)),
                 fold_row,
                 fold_b,
             )

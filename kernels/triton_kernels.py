@@ -111,12 +111,14 @@ def _dither_fields_kernel(
 
 
 @triton.jit
-def g_of(u):
+def g_of(u, FAST_EXP: tl.constexpr = False):
     """``g(u) = expm1(u) - u`` for ``u >= 0`` without cancellation (both decode kernels and stage 2).
 
     Below 1/4 the series to ``u**6 / 720`` (positive terms; truncation below 4e-7 relative); from 1/4 on,
     ``exp(u) - 1 - u`` (relative error below 1e-5 there). Both sit far inside the 2**-10 evaluation slack
-    the certificate is multiplied by (``reference.CERTIFICATE_EVAL_SLACK``).
+    the certificate is multiplied by (``reference.CERTIFICATE_EVAL_SLACK``). ``FAST_EXP`` (compiled code
+    only) takes ``ex2.approx.ftz`` as is: ``exp(u) >= 1`` here, so flushing subnormal results changes
+    nothing, and the guard ``tl.exp`` adds for them is wasted.
     """
     series = u * (1.0 / 720.0)
     series = (series + 1.0 / 120.0) * u
@@ -124,7 +126,15 @@ def g_of(u):
     series = (series + 1.0 / 6.0) * u
     series = (series + 0.5) * u * u
     small = u < 0.25
-    big = (tl.exp(tl.where(small, 0.0, u)) - 1.0) - u
+    exponent = tl.where(small, 0.0, u)
+    if FAST_EXP:
+        exp_u = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [exponent * 1.4426950408889634], dtype=tl.float32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+    else:
+        exp_u = tl.exp(exponent)
+    big = (exp_u - 1.0) - u
     # At u = +inf, inf - inf would be NaN; g is +inf there.
     return tl.where(small, series, tl.where(u == _FP32_INF, _FP32_INF, big))
 
@@ -163,11 +173,10 @@ def split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS: tl.const
 def tile_rest_sums(weights, radius, expm1_u, g_u, rest):
     """The tile's sums over its tokens (axis 1) other than its argmax: ``(A1, B, U, P)`` terms
     ``p expm1(u)``, ``p g(u)``, ``p u`` and ``p``, for the tokens where ``rest`` holds."""
-    # weights are finite (exp of a logit minus the running max): only a zero weight needs care, so that
-    # 0 * inf adds 0, as mul_nonneg would.
-    rest = rest & (weights > 0)
-    tile_a1 = tl.sum(tl.where(rest, weights * expm1_u, 0.0), axis=1)
-    tile_b = tl.sum(tl.where(rest, weights * g_u, 0.0), axis=1)
+    # A weight that underflowed to 0 next to an overflowed expm1(u) or g(u) adds +inf, as in the reference
+    # (mul_nonneg): the token's true logit may lie above the max, so there is no guarantee.
+    tile_a1 = tl.sum(tl.where(rest, mul_nonneg(weights, expm1_u), 0.0), axis=1)
+    tile_b = tl.sum(tl.where(rest, mul_nonneg(weights, g_u), 0.0), axis=1)
     tile_u = tl.sum(tl.where(rest, weights * radius, 0.0), axis=1)
     tile_w = tl.sum(tl.where(rest, weights, 0.0), axis=1)
     return tile_a1, tile_b, tile_u, tile_w

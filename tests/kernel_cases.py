@@ -57,6 +57,26 @@ def filled_pool(
     return pool, indptr.to(device), slots.to(device)
 
 
+def far_token_case(
+    device: torch.device | str = "cpu",
+) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row whose token 17 has keys near the fp16 limit, against query head 0's signs: its logit for that
+    head lies some 10**5 below the max (its softmax weight underflows to 0) while its radius is near 10**3
+    (expm1 and g overflow). The reference's certificate is then +inf, since that token's true logit may lie
+    above the max; for the heads where the token is the argmax it is +inf as well. Returns (pool, indptr,
+    slots, q); 7 query heads on one KV head, V rounded to nearest (the Gluon kernel's case)."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 7, 128, generator=generator).half()
+    k = torch.randn(40, 1, 128, generator=generator)
+    k[17, 0] = -60000.0 * torch.sign(q[0, 0].float())
+    v = torch.randn(40, 1, 128, generator=generator)
+    pool = KVPool(64, 2, 1, 128, seed=99, device=device)
+    slots = torch.randperm(64, generator=generator)[:40]
+    pool.write(1, slots.to(device), k.half().to(device), v.half().to(device))
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    return pool, indptr.to(device), slots.to(device), q.to(device)
+
+
 def _on_cpu(quantized: reference.QuantizedKV) -> reference.QuantizedKV:
     return dataclasses.replace(
         quantized,

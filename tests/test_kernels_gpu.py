@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import assert_matches_oracle, filled_pool, oracle, relative_error
+from kernel_cases import assert_matches_oracle, far_token_case, filled_pool, oracle, relative_error
 
 from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, extend_attention, reference
 from witcert.kernels.attention import LAUNCH, gluon_supports
@@ -191,6 +191,16 @@ def test_malformed_rows_on_gpu_are_poisoned_without_a_device_fault(v_dither, sta
     assert torch.isnan(result.certificate[1]).all() and torch.isfinite(result.certificate[0]).all()
     with pytest.raises(ValueError, match="slots in"):
         decode_attention(q, pool, 1, indptr, bad, delta_step=DELTA, validate=True)
+
+
+def test_an_overflowing_radius_counts_where_its_weight_underflows_on_gpu(stage1):
+    pool, indptr, slots, q = far_token_case(CUDA)
+    expected = oracle(q[0], pool, 1, slots, delta=DELTA)
+    assert expected.probs[0, 17] == 0 and torch.isinf(expected.certificate).all()
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
+    assert result.path == _expected_path(q, pool)
+    assert torch.isinf(result.certificate[0]).all() and (result.certificate[0] > 0).all()
+    assert relative_error(result.out[0], expected.out) < 1e-5
 
 
 def test_fp16_baseline_on_gpu_matches_exact_attention():
