@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# 1.5 * 2**23: adding and subtracting it rounds a float32 |y| < 2**22 to the nearest integer, ties to
-# even, which is exactly torch.round.
+# 1.5 * 2**23: adding it rounds a float32 |y| < 2**22 to the nearest integer, ties to even (exactly
+# torch.round), and leaves that integer in the sum's low mantissa bits (the write kernel's codes).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _FP32_INF = tl.constexpr(float("inf"))
 # Weights p~ <= 1 scaled by 2**14 before their fp16 split (nearest-V output path).
@@ -71,21 +71,33 @@ def _dither_words(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS:
 
 
 @triton.jit
-def _neg_xi8(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
-    """``-xi = (255 - 2j) / 512`` (float32, exact) for the 8-bit fields of ``_dither_fields``, same order.
+def _dither_unit(words, N: tl.constexpr, NCALLS: tl.constexpr, DITHER_BITS: tl.constexpr):
+    """``1 + j / 2**b`` (float32, exact) for the 8- or 16-bit fields ``j`` of Philox ``words``, in the
+    order of ``_dither_fields``.
 
-    Built by bits rather than int -> float conversions: ``0x3F800000 | j << 15`` is the float32
-    ``1 + j / 256``, and ``767 / 512 - (1 + j / 256)`` is a difference of floats in [1, 2) that is
-    representable (a multiple of 2**-9 below 1 in magnitude), so the subtraction is exact.
+    Built by bits rather than int -> float conversions: each field shifted to the top of the mantissa
+    under the exponent of 1.0 (``0x3F800000``). A difference of two floats in [1, 2) is exact
+    (Sterbenz), so ``xi`` or ``-xi`` then takes one subtraction of a constant in [1, 2).
     """
+    mantissa: tl.constexpr = ((1 << DITHER_BITS) - 1) << (23 - DITHER_BITS)
+    # Field i of a word has its top bit at 31 - i b: a shift by 9 - i b puts it at bit 22.
+    if DITHER_BITS == 8:
+        f0 = (words >> 9) & mantissa
+        f1 = (words >> 1) & mantissa
+        f2 = (words << 7) & mantissa
+        f3 = (words << 15) & mantissa
+        fields = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (N, NCALLS * 16))
+    else:
+        fields = tl.reshape(tl.join((words >> 9) & mantissa, (words << 7) & mantissa), (N, NCALLS * 8))
+    return (fields | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _neg_xi8(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
+    """``-xi = (255 - 2j) / 512 = 767 / 512 - (1 + j / 256)`` (float32, exact) for the 8-bit fields of
+    ``_dither_fields``, same order."""
     words = _dither_words(seed, slots, call0, layer, head_word, N, NCALLS)
-    mantissa: tl.constexpr = 0x7F8000
-    f0 = (words >> 9) & mantissa
-    f1 = (words >> 1) & mantissa
-    f2 = (words << 7) & mantissa
-    f3 = (words << 15) & mantissa
-    fields = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (N, NCALLS * 16))
-    return 767.0 / 512.0 - (fields | 0x3F800000).to(tl.float32, bitcast=True)
+    return 767.0 / 512.0 - _dither_unit(words, N, NCALLS, 8)
 
 
 @triton.jit
@@ -192,6 +204,12 @@ def fold_rest(rest, alpha, tile, moved, weight_arg, held, arg):
 
 
 @triton.jit
+def _by_channel(per_group, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """``[N, NG]`` -> ``[N, NG * G]``: each group's value over its channels."""
+    return tl.reshape(tl.broadcast_to(per_group[:, :, None], (N, NUM_GROUPS, GROUP_SIZE)), (N, NUM_GROUPS * GROUP_SIZE))
+
+
+@triton.jit
 def _write_kernel(
     X,
     Slots,
@@ -224,6 +242,11 @@ def _write_kernel(
     program writes each slot's codes as one run of ``H_kv * HEAD_DIM`` bytes and its scales as one run
     of ``H_kv * groups`` fp16 (a whole 32-byte sector at 4 heads); a program per head wrote 8-byte
     pieces of that sector from programs far apart in time.
+
+    No division per element: the scale comes from ``amax * RN(1 / 126.5)`` and one step up, ``x / s``
+    is Markstein's corrected product with ``RN(1 / s)`` (one reciprocal per group), 8- and 16-bit dithers
+    are built by bits (``_dither_unit``), and the code is the low byte of ``x / s + xi + 1.5 * 2**23``.
+    Why each step is exact: the comments below and docs/KERNELS.md ("Exactness").
     """
     rows: tl.constexpr = BLOCK_T * HEADS_PAD
     num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
@@ -244,26 +267,49 @@ def _write_kernel(
         is_outlier = tl.load(OutlierIndex + head[:, None] * HEAD_DIM + channels[None, :]) >= 0
         magnitude = tl.where(is_outlier, 0.0, magnitude)
     amax = tl.max(tl.reshape(magnitude, (rows, num_groups, GROUP_SIZE)), axis=2)
-    # The smallest fp16 s with s * 126.5 >= amax: round, then step up while too small (s * 126.5 is exact).
-    scale = tl.math.div_rn(amax, 126.5).to(tl.float16)
-    for _ in tl.static_range(2):
-        too_small = scale.to(tl.float32) * 126.5 < amax
-        bumped = (scale.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
-        scale = tl.where(too_small, bumped, scale)
+    # The smallest fp16 s with s * 126.5 >= amax, the reference's scale (s * 126.5 is exact). amax times
+    # RN(1 / 126.5) is within two fp32 ulps of amax / 126.5, so its fp16 rounding is s or the fp16 value
+    # below it, never above: one step up while too small gives s (checked for every fp16 and bf16 amax).
+    scale = (amax * (1.0 / 126.5)).to(tl.float16)
+    too_small = scale.to(tl.float32) * 126.5 < amax
+    scale = tl.where(too_small, (scale.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), scale)
     scale32 = scale.to(tl.float32)
-    channel_scale = tl.reshape(tl.broadcast_to(scale32[:, :, None], (rows, num_groups, GROUP_SIZE)), (rows, HEAD_DIM))
-    positive = channel_scale > 0
-    scaled = tl.where(positive, tl.math.div_rn(x, tl.where(positive, channel_scale, 1.0)), 0.0)
+    # An all-zero group (s = 0) divides by 1 instead: its x are all +-0, and the reference's quotient 0
+    # gives the same codes as a signed zero.
+    safe_scale = tl.where(scale32 > 0, scale32, 1.0)
+    # r = RN(1 / s) once per group, without div_rn and its slow path: Triton's fp32 "/" is within 2 ulps,
+    # and one Newton step with an fma residual takes any guess within 8 ulps to RN(1 / s) (checked for
+    # every fp16 s).
+    guess = 1.0 / safe_scale
+    reciprocal = tl.fma(tl.fma(-safe_scale, guess, 1.0), guess, guess)
+    # x / s rounded to nearest without a division per element (Markstein's corrected product): q0 = RN(x r)
+    # is within 1.5 ulps of x / s, the fma gives the remainder x - q0 s exactly, and RN(q0 + remainder r)
+    # is RN(x / s). Checked exhaustively: every fp16 s with every fp16 or bf16 x. The one exception is
+    # underflow: for a bf16 x so tiny that the remainder is subnormal the quotient can be an ulp off, but
+    # then |x / s| < 2**-102, far too small to move the rounding of x / s + xi (or of x / s alone).
+    channel_reciprocal = _by_channel(reciprocal, rows, num_groups, GROUP_SIZE)
+    first = x * channel_reciprocal
+    # The scale negated per group, not the product per element (a negated product costs a second multiply).
+    remainder = tl.fma(first, _by_channel(-safe_scale, rows, num_groups, GROUP_SIZE), x)
+    scaled = tl.fma(remainder, channel_reciprocal, first)
     if DITHER:
         per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
         head_word = head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32)
-        fields = _dither_fields(seed, slots, 0, layer, head_word[:, None], rows, HEAD_DIM // per_call, DITHER_BITS)
-        # xi = (2j + 1 - 2**b) / 2**(b + 1): the integer is below 2**24 in magnitude, so both steps are exact.
-        xi = (2 * fields + 1 - (1 << DITHER_BITS)).to(tl.float32) * (0.5 / (1 << DITHER_BITS))
+        if DITHER_BITS == 24:
+            # 1 + j / 2**24 does not fit float32's 23 mantissa bits: convert the odd integer 2j + 1 - 2**24
+            # (below 2**24 in magnitude, so exact) and scale it by a power of two.
+            fields = _dither_fields(seed, slots, 0, layer, head_word[:, None], rows, HEAD_DIM // per_call, 24)
+            xi = (2 * fields + 1 - (1 << 24)).to(tl.float32) * (0.5 / (1 << 24))
+        else:
+            words = _dither_words(seed, slots, 0, layer, head_word[:, None], rows, HEAD_DIM // per_call)
+            # xi = (j + 1/2) / 2**b - 1/2 = (1 + j / 2**b) - (3/2 - 2**-(b + 1)), exact (_dither_unit).
+            xi = _dither_unit(words, rows, HEAD_DIM // per_call, DITHER_BITS) - (1.5 - 0.5 / (1 << DITHER_BITS))
         scaled = scaled + xi
-    codes = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
+    # |scaled| < 127: the rounded sum is 1.5 * 2**23 + code, whose bits are 0x4B400000 + code, so their low
+    # byte is the int8 code (two's complement): no subtraction, no float -> int conversion.
+    codes = (scaled + _ROUND_MAGIC).to(tl.int32, bitcast=True)
     if HAS_OUTLIERS:
-        codes = tl.where(is_outlier, 0.0, codes)
+        codes = tl.where(is_outlier, 0, codes)
     slot_base = slots * NUM_KV_HEADS + head
     tl.store(Codes + slot_base[:, None] * HEAD_DIM + channels[None, :], codes.to(tl.int8), mask=row_ok[:, None])
     groups = tl.arange(0, num_groups)

@@ -86,6 +86,78 @@ def test_write_is_bit_identical_to_reference(dither_bits, outliers, v_dither, kv
     assert not pool.codes[1, :, untouched].any() and not pool.codes[0].any()
 
 
+def _assert_write_matches_reference(pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    pool.write(0, slots, k, v)
+    for side, (kind, x) in enumerate((("k", k), ("v", v))):
+        expected = reference.quantize(
+            x, seed=pool.seed, layer=0, slots=slots, kind=kind, group_size=pool.group_size,
+            dither_bits=pool.dither_bits, dither=pool.dithered(kind),
+        )  # fmt: skip
+        assert torch.equal(pool.scales[0, side, slots], expected.scales), kind
+        assert torch.equal(pool.codes[0, side, slots], expected.codes), kind
+
+
+@pytest.mark.parametrize("dither_bits", [8, 16, 24])
+def test_write_is_bit_identical_on_rounding_ties_and_extreme_values(dither_bits):
+    # The write kernel divides by a reciprocal and builds dithers and codes by bits (docs/KERNELS.md, "Write"):
+    # here a quotient one ulp off, or ties rounded other than to even, change codes.
+    generator = torch.Generator().manual_seed(dither_bits)
+    tokens, kv_heads, head_dim, group = 24, 2, 128, 32
+    group_shape = (tokens, kv_heads, head_dim // group, 1)
+    slots = torch.randperm(64, generator=generator)[:tokens]
+    pool = KVPool(64, 1, kv_heads, head_dim, group_size=group, seed=77, dither_bits=dither_bits, device="cpu")
+    assert not pool.v_dither
+
+    def integers(low: int, high: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=generator).double()
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:
+        exact = x.reshape(tokens, kv_heads, head_dim).half()
+        assert torch.equal(exact.double(), x.reshape(exact.shape))
+        return exact
+
+    # V, rounded to nearest: x / s = k + 1/2 exactly, with s = m 2**e (m in 5..7, fp16 subnormals up to 448)
+    # pinned by a first channel 126.5 s. RN(1 / s) is inexact for such s, so RN(x RN(1 / s)) is often a
+    # tie's neighbour: only the corrected quotient rounds every tie to the reference's even code.
+    scale = integers(5, 8, group_shape) * 2.0 ** integers(-23, 7, group_shape)
+    v = (integers(-127, 127, group_shape[:3] + (group,)) + 0.5) * scale
+    v[..., :1] = 126.5 * scale
+    v = grouped(v)
+    # K, dithered: x / s + xi = k + 1/2 exactly for 8-bit dithers (s = 2**e pinned the same way, |k| <= 3),
+    # within fp16's rounding of it for 16 and 24 bits.
+    xi = reference.dither_values(
+        reference.dither_fields(
+            seed=pool.seed, layer=0, slots=slots, num_kv_heads=kv_heads, head_dim=head_dim, kind="k",
+            dither_bits=dither_bits,
+        ),
+        dither_bits,
+    ).double()  # fmt: skip
+    power = 2.0 ** integers(-14, 9, group_shape)
+    k = (integers(-3, 3, group_shape[:3] + (group,)) + 0.5 - xi.reshape(group_shape[:3] + (group,))) * power
+    k[..., :1] = 126.5 * power
+    k = grouped(k) if dither_bits == 8 else k.reshape(tokens, kv_heads, head_dim).half()
+    # Extremes: fp16's largest values, subnormals down to 2**-24 alone and among normal values, signed zeros.
+    k[0] = 65504.0 * torch.sign(k[0].float())
+    k[1] = integers(-1023, 1024, (kv_heads, head_dim)) * 2.0**-24
+    k[2, :, ::2] = k[1, :, ::2]
+    k[3] = -0.0
+    _assert_write_matches_reference(pool, slots, k, v)
+    codes = pool.codes[0, :, slots]
+    assert not (codes[1].reshape(-1, group)[:, 1:] % 2).any()  # V: every tie went to the even code
+    if dither_bits == 8:
+        assert not (codes[0, 4:].reshape(-1, group)[:, 1:] % 2).any()
+
+    # bf16 from the smallest normal, 2**-126, to 8e6, V dithered. Next to large values the tiny ones make the
+    # corrected quotient's remainder underflow: the quotient can be an ulp off, at |x / s| < 2**-102, which
+    # leaves every code as it is. (The interpreter converts bf16 subnormals wrongly, so none here.)
+    wide = KVPool(64, 1, kv_heads, head_dim, group_size=group, seed=78, dither_bits=dither_bits, v_dither=True,
+                  dtype=torch.bfloat16, device="cpu")  # fmt: skip
+    exponents = (integers(-126, 23, group_shape) - 130 * integers(0, 2, group_shape[:3] + (group,))).clamp(-126)
+    x = (1 + integers(0, 128, exponents.shape) / 128) * 2.0**exponents * (2 * integers(0, 2, exponents.shape) - 1)
+    x = x.clamp(-8e6, 8e6).reshape(tokens, kv_heads, head_dim).bfloat16()
+    _assert_write_matches_reference(wide, slots, x, x.flip(0))
+
+
 @pytest.mark.parametrize("dither_bits", [8, 16, 24])
 def test_regenerated_dither_is_bit_identical_to_reference(dither_bits):
     pool = KVPool(4096, 3, 3, 64, group_size=16, seed=2**63 + 11, dither_bits=dither_bits, device="cpu")
