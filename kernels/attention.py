@@ -46,9 +46,9 @@ class LaunchConfig:
     gluon_min_tokens: int = 16384
     # Its tile is fixed (128 tokens, 4 warps); its register caps (with and without the certificate) decide
     # how many of its programs an SM holds (gluon_programs_per_sm) and so the default number of splits.
-    # H200, B=32, splits filling one wave (bench/bench_kernels.py --sweep gluon), ms with / without the
-    # certificate: cap 168 (3 per SM, 3 splits) 0.326 / 0.257 at S=16k, 1.263 / 1.020 at 64k; no cap (201 /
-    # 187 registers, 2 per SM, 2 splits) 0.345 / 0.265 and 1.323 / 1.067; cap 160 spills, 0.338 / 0.279.
+    # H200 sweep (B=32, S=16k, default splits; bench/results/kernels_h200.json), ms with / without the
+    # certificate: 168 (3 per SM) 0.316 / 0.248, no cap (201-255 registers, 2 per SM) 0.329 / 0.259, 160
+    # 0.329 / 0.251, 128 (4 per SM, heavy spills) 0.390 / 0.284.
     gluon_maxnreg: int | None = 168
     gluon_maxnreg_nocert: int | None = 168
 
@@ -59,8 +59,8 @@ class LaunchConfig:
 
     def gluon_programs_per_sm(self, certificate: bool) -> int:
         """Gluon stage-1 programs an SM holds: 65536 registers over 128 threads at the cap; uncapped, the
-        kernel compiles to 187-232 registers (Triton 3.6-3.9), two programs. Shared memory (37 KB per
-        program) allows six."""
+        kernel compiles to 200-255 registers (Triton 3.6-3.9), two programs. Shared memory (about 40 KB
+        per program) allows five."""
         cap = self.gluon_maxnreg if certificate else self.gluon_maxnreg_nocert
         return 65536 // (128 * cap) if cap else 2
 
