@@ -18,7 +18,10 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   output channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max,
   sums and output accumulator; the four are merged once per split, with the same algebra as the
-  split merge of stage 2. q's per-group norms wait in shared memory.
+  split merge of stage 2. q's dither offsets and the radius operands wait in shared memory.
+* **The certificate** (THEORY.md section 3) on the same tile: the radius from two tf32 MMAs of the tile's
+  scales with operands built from q's norms (``_radius``), ``A1 = B + U`` (no ``expm1`` per token), and
+  the rest sums kept per thread over its own tokens, reduced over the lanes once per split.
 * **Codes and scales one tile ahead**: tile i + 1's K (codes, scales) and V are copied to shared memory
   by ``cp.async`` while tile i is computed; the membar analysis adds four CTA barriers per tile.
 
@@ -619,7 +622,7 @@ def _decode_stage1_gluon(
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
-    # q^T per channel group, relabelled like K; its norms (radius) and -sum/512 (the dither's offset).
+    # q^T per channel group, relabelled like K, and its sums (the dither's offset, the radius operands).
     q_chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_LOAD)))
     q_head = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_LOAD)))
     q_local = first_local + q_head
