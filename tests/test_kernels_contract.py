@@ -278,6 +278,16 @@ def test_default_splits_fill_whole_waves():
                 assert fewer < 0.9 * math.ceil(fewer / slots) * slots
 
 
+def test_programs_per_sm_follow_the_register_caps():
+    config = attention.LaunchConfig()
+    assert config.gluon_programs_per_sm(True) == config.gluon_programs_per_sm(False) == 3  # 168 registers
+    assert attention.LaunchConfig(gluon_maxnreg=128).gluon_programs_per_sm(True) == 4
+    assert attention.LaunchConfig(gluon_maxnreg_nocert=None).gluon_programs_per_sm(False) == 2
+    assert config.programs_per_sm() == 2  # the Triton kernel, uncapped at 4 warps
+    assert attention.LaunchConfig(num_warps=8).programs_per_sm() == 1
+    assert attention.LaunchConfig(maxnreg=168).programs_per_sm() == 3
+
+
 def test_an_overflowing_radius_counts_where_its_weight_underflows():
     pool, indptr, slots, q = far_token_case()
     expected = oracle(q[0], pool, 1, slots, delta=DELTA)
