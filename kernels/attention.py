@@ -195,13 +195,13 @@ def _runs_gluon(q: torch.Tensor, pool: KVPool, kv_indices: torch.Tensor) -> bool
     )
 
 
-def _stage1_units(q: torch.Tensor, pool: KVPool, kv_indices: torch.Tensor, certificate: bool) -> tuple[int, int]:
+def _stage1_units(q: torch.Tensor, pool: KVPool, use_gluon: bool, certificate: bool) -> tuple[int, int]:
     """``(programs per split, programs per SM)`` of the stage 1 that runs: what the default splits fill."""
     from witcert.kernels import gluon_decode
 
     rows, num_q_heads, _ = q.shape
     kv_group = num_q_heads // pool.kv_heads
-    if _runs_gluon(q, pool, kv_indices):
+    if use_gluon:
         blocks = -(-kv_group // int(gluon_decode.HEADS))
         return rows * pool.kv_heads * blocks, LAUNCH.gluon_programs_per_sm(certificate)
     return rows * pool.kv_heads * -(-kv_group // _pow2(kv_group)), LAUNCH.programs_per_sm()
@@ -221,6 +221,7 @@ def _run_triton(
     out: torch.Tensor,
     certificate: bool,
     skip: torch.Tensor | None,
+    use_gluon: bool,
 ) -> AttentionOutput:
     kernels = kernels_module()
     rows, num_q_heads, head_dim = q.shape
@@ -256,7 +257,6 @@ def _run_triton(
         math.log(2.0 / delta_step) if certificate else 0.0,
         reference.fp_slack(pool.dither_bits),
     )
-    use_gluon = _runs_gluon(q, pool, kv_indices)
     if use_gluon:
         from witcert.kernels import gluon_decode
 
@@ -416,8 +416,9 @@ def _dispatch(
             certificate=certificate,
             skip=skip,
         )
+    use_gluon = _runs_gluon(q, pool, kv_indices)
     if num_kv_splits is None:
-        units, programs_per_sm = _stage1_units(q, pool, kv_indices, certificate)
+        units, programs_per_sm = _stage1_units(q, pool, use_gluon, certificate)
         splits = default_num_kv_splits(units, q.device, programs_per_sm)
     else:
         splits = num_kv_splits
@@ -436,6 +437,7 @@ def _dispatch(
         out=out,
         certificate=certificate,
         skip=skip,
+        use_gluon=use_gluon,
     )
 
 

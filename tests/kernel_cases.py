@@ -61,8 +61,8 @@ def far_token_case(
     device: torch.device | str = "cpu",
 ) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One row whose token 17 has keys near the fp16 limit, against query head 0's signs: its logit for that
-    head lies some 10**5 below the max (its softmax weight underflows to 0) while its radius is near 10**3
-    (expm1 and g overflow). The reference's certificate is then +inf, since that token's true logit may lie
+    head lies so far below the max that its softmax weight underflows to 0, while its radius is so large
+    that expm1 and g overflow. The reference's certificate is then +inf, since that token's true logit may lie
     above the max; for the heads where the token is the argmax it is +inf as well. Returns (pool, indptr,
     slots, q); 7 query heads on one KV head, V rounded to nearest (the Gluon kernel's case)."""
     generator = torch.Generator().manual_seed(3)
