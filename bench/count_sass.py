@@ -32,15 +32,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--v-dither", action="store_true", help="the dithered-V variant, Triton only (default: V nearest)"
     )
+    parser.add_argument(
+        "--offsets-64", action="store_true", help="the variant for pools of 2**31 code bytes or more (64-bit addresses)"
+    )
     parser.add_argument("--top", type=int, default=10, help="most frequent opcodes to list")
     parser.add_argument("--by-line", type=int, default=0, metavar="N", help="also list the N heaviest source lines")
     args = parser.parse_args(argv)
     if args.v_dither and args.kernel == "gluon":
         parser.error("the Gluon stage 1 has no dithered-V variant (--kernel triton)")
     print(f"Triton {triton.__version__}, sm_90, {args.kernel} stage 1, launch {LAUNCH}, "
-          f"V {'dithered' if args.v_dither else 'nearest'}")  # fmt: skip
+          f"V {'dithered' if args.v_dither else 'nearest'}{', 64-bit offsets' if args.offsets_64 else ''}")  # fmt: skip
     for certificate in (True, False):
-        cubin = compile_cubin(kernel_name=args.kernel, certificate=certificate, v_dither=args.v_dither)
+        cubin = compile_cubin(
+            kernel_name=args.kernel, certificate=certificate, v_dither=args.v_dither, offsets_64=args.offsets_64
+        )
         result = profile(cubin)
         opcodes = result.opcodes
         print(

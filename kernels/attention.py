@@ -169,13 +169,13 @@ def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int,
 
 
 def gluon_supports(q: torch.Tensor, pool: KVPool) -> bool:
-    """Whether the Gluon stage 1 covers decode on this pool (``gluon_decode.supports``, 32-bit offsets, and a
+    """Whether the Gluon stage 1 covers decode on this pool (``gluon_decode.supports``, and a
     GPU with the m16n8k16 ``mma.sync`` it is built on: compute capability 8.0 or newer)."""
     from witcert.kernels import gluon_decode
 
     if torch.cuda.get_device_capability(q.device)[0] < 8:
         return False
-    return pool.codes[0, 0].numel() < 2**31 and gluon_decode.supports(
+    return gluon_decode.supports(
         q_dtype=q.dtype,
         head_dim=pool.head_dim,
         group_size=pool.group_size,
@@ -241,6 +241,8 @@ def _run_triton(
     stats = torch.empty(_STATS if certificate else 1, rows, num_q_heads, dtype=torch.float32, device=device)
     q = q if q.stride(2) == 1 else q.contiguous()
     outliers = pool.num_outliers > 0
+    # 64-bit addresses only where a side's codes reach 2**31 bytes (32-bit ones take fewer instructions).
+    offsets_64 = pool.codes[layer, 0].numel() >= 2**31
     stage1_args = (
         kv_start,
         kv_len,
@@ -275,6 +277,7 @@ def _run_triton(
             KV_GROUP=kv_group,
             CERTIFICATE=certificate,
             HAS_SKIP=skip is not None,
+            OFFSETS_64=offsets_64,
             NUM_SPLITS=num_kv_splits,
             num_warps=gluon_decode.NUM_WARPS,
             **(
@@ -310,7 +313,7 @@ def _run_triton(
             NUM_OUTLIERS=max(1, pool.num_outliers),
             CERTIFICATE=certificate,
             HAS_SKIP=skip is not None,
-            OFFSETS_64=pool.codes[layer, 0].numel() >= 2**31,
+            OFFSETS_64=offsets_64,
             NUM_SPLITS=num_kv_splits,
             INTERPRETED=device.type != "cuda",
             num_warps=LAUNCH.num_warps,

@@ -225,7 +225,7 @@ def supports(
     import torch
 
     return (
-        q_dtype == torch.float16
+        q_dtype in (torch.float16, torch.bfloat16)
         and head_dim == HEAD_DIM
         and group_size == GROUP_SIZE
         and dither_bits == 8
@@ -245,14 +245,35 @@ def _relabel_group(x, axis: gl.constexpr):
 
 
 @gluon.jit
-def _q_group(q_ptrs, q_mask, g: gl.constexpr):
-    """Group ``g`` of q^T: the relabelled MMA operand, and ``sum(q_g)``, ``|q_g|_2^2``, ``|q_g|_1`` per
-    ``[warp, head]`` (laid out as loaded)."""
+def _q_scale(q_ptrs, q_mask):
+    """Per ``[warp, head]``, the power of two ``2**k`` that puts a bf16 query's largest magnitude in
+    ``[2**13, 2**14)``: there ``2**k q`` is exact in fp16 down to ``2**-27`` of that magnitude (fp16's
+    normal range), far below what float32 sums of the products keep, and ``2**k q code`` stays finite.
+    A zero, subnormal or non-finite maximum keeps its exponent field clamped (the result only matters
+    for finite, nonzero queries)."""
+    amax = gl.max(gl.abs(gl.load(q_ptrs, mask=q_mask, other=0.0).to(gl.float32)), axis=1)
+    for g in gl.static_range(1, HEAD_DIM // GROUP_SIZE):
+        q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(q_g), axis=1))
+    biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    # 2**(13 - e) for amax in [2**e, 2**(e + 1)): biased exponent 127 + 13 - (biased - 127).
+    return (gl.minimum(gl.maximum(267 - biased, 1), 254) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _q_group(q_ptrs, q_mask, g: gl.constexpr, q_scale):
+    """Group ``g`` of q^T: the relabelled fp16 MMA operand ``q_scale q_g`` (a bf16 query, ``_q_scale``; an
+    fp16 one as is, ``q_scale`` unused), ``sum`` of that operand, and ``|q_g|_2^2``, ``|q_g|_1`` of the
+    query itself, per ``[warp, head]`` (laid out as loaded)."""
     q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0)
     q32 = q_g.to(gl.float32)
+    if q_g.dtype == gl.bfloat16:
+        operand = (q32 * q_scale[:, None, :]).to(gl.float16)
+    else:
+        operand = q_g
     return (
-        gl.convert_layout(_relabel_group(q_g, 1), _OP_B),
-        gl.sum(q32, axis=1),
+        gl.convert_layout(_relabel_group(operand, 1), _OP_B),
+        gl.sum(operand.to(gl.float32), axis=1),
         gl.sum(q32 * q32, axis=1),
         gl.sum(gl.abs(q32), axis=1),
     )
@@ -426,17 +447,21 @@ def _relabel_v(x):
 
 
 @gluon.jit
-def _slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
-    """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing)."""
-    return gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32)).to(gl.int32) * NUM_KV_HEADS + kv_head
+def _slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head, OFFSETS_64: gl.constexpr):
+    """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing);
+    64-bit where the pool's codes reach 2**31 bytes (the rows' byte offsets would overflow 32 bits)."""
+    slot = gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32))
+    return slot.to(gl.int64 if OFFSETS_64 else gl.int32) * NUM_KV_HEADS + kv_head
 
 
 @gluon.jit
-def _token_base(KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
+def _token_base(
+    KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head, OFFSETS_64: gl.constexpr
+):
     """Row ``slot * H_kv + kv_head`` of the tokens at ``offs``: clamped, not masked, so that a token past
     the end or out of range reads a real slot (finite codes and scales) and weighs nothing."""
     slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
-    return _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)
+    return _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
 
 
 @gluon.jit
@@ -609,6 +634,7 @@ def _decode_stage1_gluon(
     KV_GROUP: gl.constexpr,
     CERTIFICATE: gl.constexpr,
     HAS_SKIP: gl.constexpr,
+    OFFSETS_64: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
 ):
     """One (row, block of 8 query heads, split): the outputs of ``triton_kernels._decode_stage1``."""
@@ -630,10 +656,17 @@ def _decode_stage1_gluon(
     q_mask = (q_local < KV_GROUP)[None, None, :] & (q_chan < 32)[None, :, None]
     q_ptrs = q_ptrs.broadcast_to(4, 32, 8)
     q_mask = q_mask.broadcast_to(4, 32, 8)
-    g0 = _q_group(q_ptrs, q_mask, 0)
-    g1 = _q_group(q_ptrs, q_mask, 1)
-    g2 = _q_group(q_ptrs, q_mask, 2)
-    g3 = _q_group(q_ptrs, q_mask, 3)
+    # A bf16 query enters the MMAs as fp16, scaled per head by a power of two (undone with the softmax scale).
+    if Q.dtype.element_ty == gl.bfloat16:
+        q_scale = _q_scale(q_ptrs, q_mask)
+        logit_scale = gl.convert_layout(sm_scale / q_scale, _HEAD_ROW)[:, None, :]
+    else:
+        q_scale = gl.full([4, 8], 1.0, gl.float32, gl.SliceLayout(1, _Q_LOAD))
+        logit_scale = sm_scale
+    g0 = _q_group(q_ptrs, q_mask, 0, q_scale)
+    g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
+    g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
+    g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
     q_ops = (g0[0], g1[0], g2[0], g3[0])
     # -sum(q_g) / 512 (the dither's offset) and the radius operands wait in shared memory, read once per
     # tile: kept in registers through the loop they would cost more than the spills they would save.
@@ -719,16 +752,16 @@ def _decode_stage1_gluon(
     )
     groups_vs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
     slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
-    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi)
-    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)
+    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64), lo + tok_t, hi)
+    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
     _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)
     async_copy.commit_group()
     v_bases = (
-        _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
-        _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
+        _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
+        _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
     )
     _copy_v(v_tiles, VCodes, v_bases, lo + tok_v, hi)
-    rows = _token_base(KvIndices, kv_start, lo + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head)
+    rows = _token_base(KvIndices, kv_start, lo + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
     _copy_scales(v_scales, VScales, rows, lo + tok_vs, hi, groups_vs)
     async_copy.commit_group()
     stage = 0
@@ -742,21 +775,21 @@ def _decode_stage1_gluon(
         next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))
         next_v = start + BLOCK_N + tok_v
         next_v_bases = (
-            _token_base(KvIndices, kv_start, next_v, hi, num_slots, NUM_KV_HEADS, kv_head),
-            _token_base(KvIndices, kv_start, next_v + 16, hi, num_slots, NUM_KV_HEADS, kv_head),
+            _token_base(KvIndices, kv_start, next_v, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
+            _token_base(KvIndices, kv_start, next_v + 16, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
         )
         next_k_scale_rows = _token_base(
-            KvIndices, kv_start, start + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head
+            KvIndices, kv_start, start + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64
         )
         next_v_scale_rows = _token_base(
-            KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head
+            KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64
         )
         in_range = (slots >= 0) & (slots < num_slots)
         bad_slots += (in_split & ~in_range).to(gl.int32)
         token_ok = in_split & in_range
         safe_slots = gl.minimum(slots.to(gl.uint32), max_slot)
-        base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head
         if HAS_SKIP:
+            base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head  # Skip has one byte per row: 32 bits suffice
             token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
         # The logits' token rows and the Philox words' are distributed alike: a free conversion.
         counter0 = gl.convert_layout(safe_slots, gl.SliceLayout(2, _WORDS))[:, :, None].broadcast_to(4, 32, 4)
@@ -778,11 +811,11 @@ def _decode_stage1_gluon(
                     logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
                     q_offsets, 2 * half + parity,
                 )  # fmt: skip
-        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
+        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()
-        logits = gl.where(token_ok[:, :, None], logits * sm_scale, -_FP32_INF)
+        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)
 
         tile_max = gl.max(logits, axis=1)
         new_max = gl.maximum(running_max, tile_max)

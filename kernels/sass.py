@@ -37,28 +37,30 @@ _SHAPE = dict(
     NUM_KV_HEADS=4, KV_GROUP=7, BLOCK_H=8, HEAD_DIM=128, GROUP_SIZE=32, DITHER_BITS=8, HAS_OUTLIERS=False,
     OUTLIERS_PAD=2, NUM_OUTLIERS=1, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4, INTERPRETED=False,
 )  # fmt: skip
-_GLUON_SHAPE = dict(NUM_KV_HEADS=4, KV_GROUP=7, HAS_SKIP=False, NUM_SPLITS=4)
+_GLUON_SHAPE = dict(NUM_KV_HEADS=4, KV_GROUP=7, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4)
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*)")
 _SOURCE = re.compile(r'//## File "(.*)", line (\d+)')
 _LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 
 
-def compile_cubin(*, kernel_name: str, certificate: bool, v_dither: bool = False) -> bytes:
+def compile_cubin(*, kernel_name: str, certificate: bool, v_dither: bool = False, offsets_64: bool = False) -> bytes:
     """The stage 1 (``"gluon"`` or ``"triton"``) at the benchmark's shape and ``LAUNCH`` config, as an
-    sm_90 cubin; compiling needs no GPU."""
+    sm_90 cubin (``offsets_64``: the variant for pools of 2**31 code bytes or more); compiling needs no GPU."""
     if kernel_name == "gluon":
         from triton.experimental.gluon._runtime import GluonASTSource
 
         from witcert.kernels import gluon_decode
 
         kernel, source_type = gluon_decode._decode_stage1_gluon, GluonASTSource
-        constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate)
+        constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate, OFFSETS_64=offsets_64)
         cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
         options = {"num_warps": gluon_decode.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
     else:
         kernel, source_type = triton_kernels._decode_stage1, ASTSource
-        constants = dict(_SHAPE, BLOCK_N=LAUNCH.block_n, CERTIFICATE=certificate, V_DITHER=v_dither)
+        constants = dict(
+            _SHAPE, BLOCK_N=LAUNCH.block_n, CERTIFICATE=certificate, V_DITHER=v_dither, OFFSETS_64=offsets_64
+        )
         options = {"num_warps": LAUNCH.num_warps, "num_stages": LAUNCH.num_stages}
         if LAUNCH.maxnreg:
             options["maxnreg"] = LAUNCH.maxnreg

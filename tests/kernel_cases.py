@@ -89,7 +89,14 @@ def _on_cpu(quantized: reference.QuantizedKV) -> reference.QuantizedKV:
 
 
 def oracle(
-    q: torch.Tensor, pool: KVPool, layer: int, slots: torch.Tensor, *, delta: float, skip: torch.Tensor | None = None
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    slots: torch.Tensor,
+    *,
+    delta: float,
+    skip: torch.Tensor | None = None,
+    sm_scale: float | None = None,
 ) -> reference.DecodeResult:
     """The reference decode of one query row ``[H_q, D]`` over ``slots`` of the pool (float32, on CPU).
 
@@ -99,6 +106,7 @@ def oracle(
         q.float().cpu(),
         _on_cpu(pool.quantized(layer, slots, "k")),
         _on_cpu(pool.quantized(layer, slots, "v")),
+        sm_scale=sm_scale,
         delta_step=delta,
         skip=None if skip is None else skip.cpu()[slots.cpu()],
     )
@@ -108,7 +116,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float().cpu() - expected).norm() / expected.norm())
 
 
-def assert_matches_oracle(result, q, pool, layer, indptr, slots, *, delta, out_tol=1e-5, cert_tol=1e-4) -> None:
+def assert_matches_oracle(
+    result, q, pool, layer, indptr, slots, *, delta, out_tol=1e-5, cert_tol=1e-4, sm_scale=None
+) -> None:
     """Every row: out within ``out_tol`` (relative, norm), certificate within ``cert_tol`` (relative, each head)."""
     for row in range(q.shape[0]):
         row_slots = slots[int(indptr[row]) : int(indptr[row + 1])]
@@ -117,7 +127,7 @@ def assert_matches_oracle(result, q, pool, layer, indptr, slots, *, delta, out_t
             assert torch.all(result.lse[row] == -math.inf)
             assert torch.all(result.certificate[row] == 0)
             continue
-        expected = oracle(q[row], pool, layer, row_slots, delta=delta)
+        expected = oracle(q[row], pool, layer, row_slots, delta=delta, sm_scale=sm_scale)
         assert relative_error(result.out[row], expected.out) <= out_tol, f"row {row}"
         torch.testing.assert_close(result.lse[row].cpu(), expected.lse, rtol=1e-6, atol=1e-5)
         certificate = result.certificate[row].cpu()

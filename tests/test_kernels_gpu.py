@@ -203,6 +203,37 @@ def test_an_overflowing_radius_counts_where_its_weight_underflows_on_gpu(stage1)
     assert relative_error(result.out[0], expected.out) < 1e-5
 
 
+@pytest.mark.parametrize("magnitude", [1e5, 1e-6])
+def test_bf16_queries_outside_the_fp16_range_match_reference_on_gpu(magnitude, stage1):
+    """bf16 queries whose values overflow fp16 (1e5) or sit among its subnormals (1e-6), with the softmax
+    scale that brings their logits back to O(1): the Gluon stage 1 rescales them per head by a power of two."""
+    lengths = [2000, 300]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=4, v_dither=False, device=CUDA, dtype=torch.bfloat16)
+    q = (_query(2, 28, dtype=torch.float32) * magnitude).to(torch.bfloat16)
+    sm_scale = 1.0 / (magnitude * math.sqrt(128))
+    result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA)
+    assert result.path == _expected_path(q, pool)
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA, sm_scale=sm_scale)
+
+
+def test_a_pool_of_2_31_code_bytes_matches_reference_on_gpu(stage1):
+    """Slots whose codes lie past 2**31 bytes of the layer's buffer: both stage 1s switch to 64-bit addresses."""
+    num_slots = 2**24 + 2048  # one KV head of 128 channels: slot 2**24 starts at byte 2**31
+    pool = KVPool(num_slots, 1, 1, 128, seed=5, device=CUDA)
+    assert pool.codes[0, 0].numel() >= 2**31
+    generator = torch.Generator().manual_seed(11)
+    lengths = [3000, 1100]
+    slots = (2**24 - 2048 + torch.randperm(4096, generator=generator)[: sum(lengths)]).to(CUDA)
+    k = torch.randn(sum(lengths), 1, 128, generator=generator).half().to(CUDA)
+    v = torch.randn(sum(lengths), 1, 128, generator=generator).half().to(CUDA)
+    pool.write(0, slots, k, v)
+    indptr = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=CUDA)
+    q = _query(2, 7)
+    result = decode_attention(q, pool, 0, indptr, slots, delta_step=DELTA)
+    assert result.path == _expected_path(q, pool)
+    assert_matches_oracle(result, q, pool, 0, indptr, slots, delta=DELTA)
+
+
 def test_fp16_baseline_on_gpu_matches_exact_attention():
     generator = torch.Generator().manual_seed(5)
     k_cache = torch.randn(9000, 4, 128, generator=generator).half().to(CUDA)
