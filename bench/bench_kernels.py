@@ -4,7 +4,7 @@ Method: Qwen2.5-7B decode shape (28 query heads, 4 KV heads, head_dim 128), one 
 (batch, context) every variant is timed in the same process, back to back, as the median of CUDA-graph
 replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
 
-* ``sdpa_cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` on a contiguous fp16 cache
+* ``sdpa_cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` on a contiguous fp16 (``--dtype``) cache
   ``[B, H_kv, S, D]`` with the cuDNN backend (GQA through ``enable_gqa``);
 * ``fp16_kernel``: our split-KV kernel over a paged fp16 cache (the same structure as ours, no quantization);
 * ``int8_nocert`` / ``int8_cert``: our int8 dithered kernel without / with the certificate
@@ -55,24 +55,31 @@ def _rotations(bytes_per_copy: int) -> int:
 VARIANTS = ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert", "triton_nocert", "triton_cert")
 
 
-def bench_decode(batch: int, context: int, v_dither: bool, delta: float, names: tuple[str, ...] = VARIANTS) -> dict:
+def bench_decode(
+    batch: int,
+    context: int,
+    v_dither: bool,
+    delta: float,
+    names: tuple[str, ...] = VARIANTS,
+    dtype: torch.dtype = torch.float16,
+) -> dict:
     tokens = batch * context
     fp16_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * 2
     copies = _rotations(fp16_bytes)
     generator = torch.Generator(device="cuda").manual_seed(batch * 1000003 + context)
     row: dict = {"batch": batch, "context": context, "rotated_copies": copies}
 
-    q = [torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half() for _ in range(copies)]
+    q = [torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).to(dtype) for _ in range(copies)]
     indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * context
     # Paged caches of `copies * tokens` slots; copy i uses slots [i * tokens, (i + 1) * tokens).
-    pool = KVPool(copies * tokens, 1, KV_HEADS, HEAD_DIM, v_dither=v_dither, device="cuda")
-    k_cache = torch.empty(copies * tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
+    pool = KVPool(copies * tokens, 1, KV_HEADS, HEAD_DIM, v_dither=v_dither, device="cuda", dtype=dtype)
+    k_cache = torch.empty(copies * tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
     v_cache = torch.empty_like(k_cache)
     chunk = 2**20
     for start in range(0, copies * tokens, chunk):
         stop = min(start + chunk, copies * tokens)
-        k = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
-        v = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+        k = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).to(dtype)
+        v = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).to(dtype)
         k_cache[start:stop], v_cache[start:stop] = k, v
         pool.write(0, torch.arange(start, stop, device="cuda"), k, v, validate=False)
     indices = [torch.arange(i * tokens, (i + 1) * tokens, device="cuda", dtype=torch.int32) for i in range(copies)]
@@ -81,7 +88,7 @@ def bench_decode(batch: int, context: int, v_dither: bool, delta: float, names: 
               .contiguous() for i in range(copies)]  # fmt: skip
     v_sdpa = [v_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
               .contiguous() for i in range(copies)]  # fmt: skip
-    out = torch.empty(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
+    out = torch.empty(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
     counter = {"i": 0}
 
     def next_copy() -> int:
@@ -199,11 +206,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--v-dither", choices=["on", "off", "both"], default="both")
+    parser.add_argument(
+        "--dtype", choices=["fp16", "bf16"], default="fp16", help="the model's dtype: queries and the baselines' caches"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/results/kernels_h200.json"))
     parser.add_argument("--sweep", choices=["gluon", "triton", "both"], help="first pick the launch config of "
                         "these stage-1 kernels (B=32, S=16k); the others keep the defaults")  # fmt: skip
     args = parser.parse_args()
     delta = reference.delta_step(28, Q_HEADS)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     results = {
         "method": __doc__,
         "device": torch.cuda.get_device_name(),
@@ -224,8 +235,9 @@ def main() -> None:
     for v_dither in modes:
         for batch in args.batches:
             for context in args.contexts:
-                row = bench_decode(batch, context, v_dither, delta)
+                row = bench_decode(batch, context, v_dither, delta, dtype=dtype)
                 row["v_dither"] = v_dither
+                row["dtype"] = args.dtype
                 results["decode"].append(row)
                 cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in VARIANTS]
                 print(f"v_dither={v_dither} B={batch} S={context}: " + " ".join(cells), flush=True)
