@@ -29,8 +29,9 @@ Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): codes and 
 are exact in fp16 (the remaining ``-1/512`` of ``-xi`` enters as ``-sum(q_g) / 512``, the accumulator's
 initial value), and the output uses the exact ``v_hi + v_lo`` split of ``s * code`` with ``2**14 p``
 split into ``p_hi + p_mid``. The outputs are the stage-1 partials of the Triton kernel, so its stage 2
-merges them. Supported: fp16 queries, head_dim 128, channel groups of 32, 8-bit dithers, V rounded
-to nearest, no outlier channels (``supports`` says; everything else runs the Triton kernel). Compiled
+merges them. Supported: fp16 and bf16 queries (bf16 scaled per head into fp16, ``_q_scale``), head_dim
+128, channel groups of 32, 8-bit dithers, V rounded to nearest, no outlier channels (``supports`` says;
+everything else runs the Triton kernel); 64-bit addresses for pools of 2**31 code bytes (``OFFSETS_64``). Compiled
 on the GPU only: Gluon has no interpreter, so the contract tests run it on the H200, and CI checks its
 compiled token loop (``tests/test_kernels_sass.py``).
 """
