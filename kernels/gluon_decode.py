@@ -43,7 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
-from witcert.kernels.triton_kernels import g_of, mul_nonneg, split_range
+from witcert.kernels.triton_kernels import g_of, mul_nonneg, split_range, weighted
 
 NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
@@ -565,14 +565,6 @@ def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_offsets, g: gl.cons
 
 
 @gluon.jit
-def _weighted(weight, g):
-    """``weight * g`` for a softmax weight (finite, ``>= 0``) and ``g >= 0``: ``+inf`` where ``g`` is, also where
-    the weight underflowed to 0 (the reference's ``_mul_nonneg``; that token's true logit may lie above the
-    max), with one comparison less than ``mul_nonneg``, since the weight is never infinite."""
-    return gl.where(g == _FP32_INF, g, weight * g)
-
-
-@gluon.jit
 def _thread_sum(x):
     """``[warp, token, head]`` (logits' layout) summed over the four tokens each thread holds (token bits 3
     and 4 are register bits): ``[warp, token % 8, head]``, no lane exchange."""
@@ -860,14 +852,14 @@ def _decode_stage1_gluon(
             # the max moved into this tile, else this tile's argmax (weight weight_arg).
             weight_arg = gl.exp(tile_max - shift)
             moved = tile_max > running_max
-            fold_b = gl.where(moved, _weighted(alpha, g_max), _weighted(weight_arg, g_arg))
+            fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
             fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
             fold_w = gl.where(moved, alpha, weight_arg)
             rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
             # An infinite B stays infinite where alpha underflows to 0 (as mul_nonneg).
             b_rest = _rescaled_fold(
                 gl.where(b_rest == _FP32_INF, b_rest, b_rest * rest_alpha),
-                _thread_sum(gl.where(rest, _weighted(weights, g_of(radius, True)), 0.0)),
+                _thread_sum(gl.where(rest, weighted(weights, g_of(radius, True)), 0.0)),
                 fold_row,
                 fold_b,
             )

@@ -138,14 +138,13 @@ def g_of(u, FAST_EXP: tl.constexpr = False):
     series = (series + 1.0 / 6.0) * u
     series = (series + 0.5) * u * u
     small = u < 0.25
-    exponent = tl.where(small, 0.0, u)
     if FAST_EXP:
         exp_u = tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [exponent * 1.4426950408889634], dtype=tl.float32, is_pure=True,
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [u * 1.4426950408889634], dtype=tl.float32, is_pure=True,
             pack=1,
         )  # fmt: skip
     else:
-        exp_u = tl.exp(exponent)
+        exp_u = tl.exp(u)
     big = (exp_u - 1.0) - u
     # At u = +inf, inf - inf would be NaN; g is +inf there.
     return tl.where(small, series, tl.where(u == _FP32_INF, _FP32_INF, big))
@@ -162,6 +161,14 @@ def expm1_and_g(u):
 def mul_nonneg(a, b):
     """Product of non-negative bounds; an infinite factor gives +inf, never NaN (as the reference)."""
     return tl.where((a == _FP32_INF) | (b == _FP32_INF), _FP32_INF, a * b)
+
+
+@triton.jit
+def weighted(weight, x):
+    """``mul_nonneg(weight, x)`` for a softmax weight (finite, in [0, 1]) and a bound ``x >= 0``, with one
+    comparison less: only ``x`` can be infinite, and then so is the product, also where the weight
+    underflowed to 0."""
+    return tl.where(x == _FP32_INF, x, weight * x)
 
 
 @triton.jit
@@ -182,16 +189,25 @@ def split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS: tl.const
 
 
 @triton.jit
-def tile_rest_sums(weights, radius, expm1_u, g_u, rest):
-    """The tile's sums over its tokens (axis 1) other than its argmax: ``(A1, B, U, P)`` terms
-    ``p expm1(u)``, ``p g(u)``, ``p u`` and ``p``, for the tokens where ``rest`` holds."""
-    # A weight that underflowed to 0 next to an overflowed expm1(u) or g(u) adds +inf, as in the reference
-    # (mul_nonneg): the token's true logit may lie above the max, so there is no guarantee.
-    tile_a1 = tl.sum(tl.where(rest, mul_nonneg(weights, expm1_u), 0.0), axis=1)
-    tile_b = tl.sum(tl.where(rest, mul_nonneg(weights, g_u), 0.0), axis=1)
-    tile_u = tl.sum(tl.where(rest, weights * radius, 0.0), axis=1)
-    tile_w = tl.sum(tl.where(rest, weights, 0.0), axis=1)
-    return tile_a1, tile_b, tile_u, tile_w
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The combine of one four-operand reduction: the operands share its lane exchanges and barriers."""
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def tile_rest_sums(weights, radius, g_u, is_arg):
+    """``(u_arg, B, U, P)`` of one tile (sums over axis 1): the radius of its argmax (``is_arg``), and the sums
+    of ``p g(u)``, ``p u`` and ``p`` over its other tokens. Masked-off tokens need no mask: their weight and
+    radius are 0."""
+    rest_weights = tl.where(is_arg, 0.0, weights)
+    terms = (tl.where(is_arg, radius, 0.0), weights * tl.where(is_arg, 0.0, g_u), rest_weights * radius, rest_weights)
+    u_arg, tile_b, tile_u, tile_w = tl.reduce(terms, 1, _add4)
+    # No term is negative, so (NaN weights and radii aside) a sum is NaN only through 0 * inf, a weight that
+    # underflowed to 0 next to an overflowed u or g(u): one test per head and tile instead of one per token.
+    # Such a token adds +inf, as in the reference (mul_nonneg): its true logit may lie above the max.
+    tile_b = tl.where(tile_b == tile_b, tile_b, _FP32_INF)
+    tile_u = tl.where(tile_u == tile_u, tile_u, _FP32_INF)
+    return u_arg, tile_b, tile_u, tile_w
 
 
 @triton.jit
@@ -200,7 +216,7 @@ def fold_rest(rest, alpha, tile, moved, weight_arg, held, arg):
     ``alpha``, the tile's own rest terms, and the token that stops being held apart. When the argmax moved
     into the tile, the old argmax's term ``held`` (weight ``alpha`` in the new frame) joins the sums; else
     the tile's argmax's term ``arg`` (weight ``weight_arg``) does. Every part is non-negative."""
-    return mul_nonneg(rest, alpha) + tile + tl.where(moved, mul_nonneg(alpha, held), mul_nonneg(weight_arg, arg))
+    return weighted(alpha, rest) + tile + tl.where(moved, weighted(alpha, held), weighted(weight_arg, arg))
 
 
 @triton.jit
@@ -500,6 +516,8 @@ def _decode_stage1(
     head_ok = local_heads < KV_GROUP
     heads = kv_head * KV_GROUP + local_heads
     num_q_heads = NUM_KV_HEADS * KV_GROUP
+    # The interpreter cannot run inline asm.
+    FAST_EXP: tl.constexpr = not INTERPRETED
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
@@ -527,12 +545,13 @@ def _decode_stage1(
         acc = tl.zeros((num_groups, BLOCK_H, GROUP_SIZE), tl.float32)
     else:
         acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
-    # The rest sums over t != m, each of non-negative terms (weights relative to the running max).
-    a1_rest = tl.zeros((BLOCK_H,), tl.float32)
+    # The rest sums over t != m, each of non-negative terms (weights relative to the running max); A1 = B + U.
     b_rest = tl.zeros((BLOCK_H,), tl.float32)
     u_rest = tl.zeros((BLOCK_H,), tl.float32)
     w_rest = tl.zeros((BLOCK_H,), tl.float32)
+    # u at the running argmax, with its g (kept, not recomputed per tile).
     u_max = tl.zeros((BLOCK_H,), tl.float32)
+    g_max = tl.zeros((BLOCK_H,), tl.float32)
     slots_ok = row_ok
     if HAS_OUTLIERS:
         acc_outliers = tl.zeros((BLOCK_H, OUTLIERS_PAD), tl.float32)
@@ -591,8 +610,10 @@ def _decode_stage1(
                 radius_q_g = q_g.to(tl.float32)
                 if HAS_OUTLIERS:
                     radius_q_g = tl.where(exact_g[None, :], 0.0, radius_q_g)
-                sigma_sq += tl.sum(radius_q_g * radius_q_g, axis=1)[:, None] * (scale_g * scale_g)[None, :]
-                bias += tl.sum(tl.abs(radius_q_g), axis=1)[:, None] * scale_g[None, :]
+                # The coefficients go on q's per-head sums (loop-invariant, hoisted), not on every token.
+                q_sq = tl.sum(radius_q_g * radius_q_g, axis=1) * sigma_coef
+                sigma_sq += q_sq[:, None] * (scale_g * scale_g)[None, :]
+                bias += (tl.sum(tl.abs(radius_q_g), axis=1) * bias_coef)[:, None] * scale_g[None, :]
         logits = logits * sm_scale
         if HAS_OUTLIERS:
             k_exact = tl.load(
@@ -614,29 +635,22 @@ def _decode_stage1(
         running_sum = running_sum * alpha + tl.sum(weights, axis=1)
 
         if CERTIFICATE:
-            sigma_sq = sigma_sq * sigma_coef
-            bias = bias * bias_coef
             radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
-            expm1_u, g_u = expm1_and_g(radius)
             # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
             index = tl.arange(0, BLOCK_N)[None, :]
             tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, BLOCK_N), axis=1)
             is_arg = index == tile_arg[:, None]
-            u_arg = tl.sum(tl.where(is_arg, radius, 0.0), axis=1)
-            expm1_arg, g_arg = expm1_and_g(u_arg)
-            tile_a1, tile_b, tile_u, tile_w = tile_rest_sums(
-                weights, radius, expm1_u, g_u, (~is_arg) & token_ok[None, :]
-            )
+            u_arg, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, g_of(radius, FAST_EXP), is_arg)
+            g_arg = g_of(u_arg, FAST_EXP)
             weight_arg = tl.exp(tile_max - shift)
-            expm1_old, g_old = expm1_and_g(u_max)
             # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
             moved = tile_max > running_max
-            a1_rest = fold_rest(a1_rest, alpha, tile_a1, moved, weight_arg, expm1_old, expm1_arg)
-            b_rest = fold_rest(b_rest, alpha, tile_b, moved, weight_arg, g_old, g_arg)
+            b_rest = fold_rest(b_rest, alpha, tile_b, moved, weight_arg, g_max, g_arg)
             u_rest = fold_rest(u_rest, alpha, tile_u, moved, weight_arg, u_max, u_arg)
             # The old argmax token weighs alpha in the new frame; a non-moving tile's argmax weighs weight_arg.
             w_rest = w_rest * alpha + tile_w + tl.where(moved, alpha, weight_arg)
             u_max = tl.where(moved, u_arg, u_max)
+            g_max = tl.where(moved, g_arg, g_max)
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
         v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :])
@@ -702,7 +716,7 @@ def _decode_stage1(
     tl.store(PartLse + part_row, tl.where(empty, -_FP32_INF, running_max + tl.log(safe_sum)) + poison, mask=head_ok)
     if CERTIFICATE:
         tl.store(PartMax + part_row, running_max + poison, mask=head_ok)
-        tl.store(PartA1 + part_row, a1_rest / safe_sum + poison, mask=head_ok)
+        tl.store(PartA1 + part_row, (b_rest + u_rest) / safe_sum + poison, mask=head_ok)
         tl.store(PartB + part_row, b_rest / safe_sum + poison, mask=head_ok)
         tl.store(PartURest + part_row, u_rest / safe_sum + poison, mask=head_ok)
         tl.store(PartPRest + part_row, w_rest / safe_sum + poison, mask=head_ok)
