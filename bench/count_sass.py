@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--offsets-64", action="store_true", help="the variant for pools of 2**31 code bytes or more (64-bit addresses)"
     )
+    parser.add_argument("--q-dtype", choices=["fp16", "bf16"], default="fp16", help="the queries' dtype")
     parser.add_argument("--top", type=int, default=10, help="most frequent opcodes to list")
     parser.add_argument("--by-line", type=int, default=0, metavar="N", help="also list the N heaviest source lines")
     args = parser.parse_args(argv)
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
           f"V {'dithered' if args.v_dither else 'nearest'}{', 64-bit offsets' if args.offsets_64 else ''}")  # fmt: skip
     for certificate in (True, False):
         cubin = compile_cubin(
-            kernel_name=args.kernel, certificate=certificate, v_dither=args.v_dither, offsets_64=args.offsets_64
+            kernel_name=args.kernel,
+            certificate=certificate,
+            v_dither=args.v_dither,
+            offsets_64=args.offsets_64,
+            q_dtype=args.q_dtype,
         )
         result = profile(cubin)
         opcodes = result.opcodes

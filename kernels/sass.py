@@ -44,9 +44,12 @@ _SOURCE = re.compile(r'//## File "(.*)", line (\d+)')
 _LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 
 
-def compile_cubin(*, kernel_name: str, certificate: bool, v_dither: bool = False, offsets_64: bool = False) -> bytes:
+def compile_cubin(
+    *, kernel_name: str, certificate: bool, v_dither: bool = False, offsets_64: bool = False, q_dtype: str = "fp16"
+) -> bytes:
     """The stage 1 (``"gluon"`` or ``"triton"``) at the benchmark's shape and ``LAUNCH`` config, as an
-    sm_90 cubin (``offsets_64``: the variant for pools of 2**31 code bytes or more); compiling needs no GPU."""
+    sm_90 cubin (``offsets_64``: the variant for pools of 2**31 code bytes or more; ``q_dtype``: ``"fp16"``
+    or ``"bf16"`` queries); compiling needs no GPU."""
     if kernel_name == "gluon":
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -65,8 +68,9 @@ def compile_cubin(*, kernel_name: str, certificate: bool, v_dither: bool = False
         if LAUNCH.maxnreg:
             options["maxnreg"] = LAUNCH.maxnreg
     scalars = dict(_SCALARS, seed_lo="i32", seed_hi="i32")
+    pointers = dict(_POINTERS, Q=q_dtype)
     signature = {
-        name: "constexpr" if name in constants else ("*" + _POINTERS[name] if name in _POINTERS else scalars[name])
+        name: "constexpr" if name in constants else ("*" + pointers[name] if name in pointers else scalars[name])
         for name in kernel.arg_names
     }
     index = kernel.arg_names.index
@@ -126,15 +130,19 @@ def profile(cubin: bytes) -> SassProfile:
 
 
 def main() -> None:
-    """``python -m witcert.kernels.sass KERNEL``: the token loop's opcode counts of both certificate variants
-    as JSON. Run in a fresh process: under ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions
-    are interpreted, and a Gluon kernel cannot call them."""
+    """``python -m witcert.kernels.sass KERNEL``: the token loop's opcode counts of both certificate variants,
+    for fp16 and bf16 queries, as JSON keyed ``"<q dtype> <certificate>"``. Run in a fresh process: under
+    ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions are interpreted, and a Gluon kernel cannot
+    call them."""
     import json
     import sys
 
     kernel_name = sys.argv[1] if len(sys.argv) > 1 else "gluon"
     counts = {
-        str(certificate): dict(profile(compile_cubin(kernel_name=kernel_name, certificate=certificate)).loop_opcodes)
+        f"{q_dtype} {certificate}": dict(
+            profile(compile_cubin(kernel_name=kernel_name, certificate=certificate, q_dtype=q_dtype)).loop_opcodes
+        )
+        for q_dtype in ("fp16", "bf16")
         for certificate in (True, False)
     }
     print(json.dumps(counts))

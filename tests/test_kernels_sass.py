@@ -30,9 +30,10 @@ def loop_opcodes() -> dict[str, dict[str, int]]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("q_dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("certificate", [True, False], ids=["certificate", "no-certificate"])
-def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, certificate):
-    loop = loop_opcodes[str(certificate)]
+def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, certificate, q_dtype):
+    loop = loop_opcodes[f"{q_dtype} {certificate}"]
     assert loop.get("STS", 0) == 0, "registers are staged through shared memory in the token loop"
     # One barrier before each side's copy (the previous tile's reads are done) and one after each wait.
     assert loop.get("BAR", 0) == 4
