@@ -15,7 +15,7 @@ from witcert.kernels.backend import kernels_module, select_path
 SIDES: tuple[reference.Kind, reference.Kind] = ("k", "v")
 _WRITE_BLOCK_TOKENS = 32
 # The write kernel's (token, head) rows per program; every head of a token goes to the same program.
-_WRITE_ROWS = 128
+_WRITE_ROWS = 32
 
 
 def _pow2(n: int) -> int:
