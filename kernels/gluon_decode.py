@@ -856,9 +856,8 @@ def _decode_stage1_gluon(
             fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
             fold_w = gl.where(moved, alpha, weight_arg)
             rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
-            # An infinite B stays infinite where alpha underflows to 0 (as mul_nonneg).
             b_rest = _rescaled_fold(
-                gl.where(b_rest == _FP32_INF, b_rest, b_rest * rest_alpha),
+                weighted(rest_alpha, b_rest),
                 _thread_sum(gl.where(rest, weighted(weights, g_of(radius, True)), 0.0)),
                 fold_row,
                 fold_b,
