@@ -54,6 +54,10 @@ HEAD_DIM = gl.constexpr(128)
 GROUP_SIZE = gl.constexpr(32)
 
 _FP32_INF = gl.constexpr(float("inf"))
+# The loop keeps its logits, maxima and shifts in base-2 units (the softmax scale times log2(e)), so that a
+# weight is one ex2; the stored max and LSE go back to natural units.
+_LOG2E = gl.constexpr(1.4426950408889634)
+_LN2 = gl.constexpr(0.6931471805599453)
 # Triton 3.9 renamed Gluon's CTA barrier and its asynchronous copy.
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
@@ -344,6 +348,16 @@ def _philox(seed_lo, seed_hi, c0, c1, c2, c3):
         is_pure=True,
         pack=4,
     )
+
+
+@gluon.jit
+def _exp2(x):
+    """``2**x`` for the softmax weights (``x <= 0``, or -inf; the loop's logits are in base-2 units):
+    ``ex2.approx.ftz``, which ``gl.exp2`` also runs, without the guard it adds for subnormal results. A
+    weight below 2**-126 of the max becomes 0: it changes the output by less than 2**-110 relative, and
+    every certificate term it enters is a weighted non-negative term (an infinite factor still makes +inf,
+    ``weighted``)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -660,10 +674,10 @@ def _decode_stage1_gluon(
     # A bf16 query enters the MMAs as fp16, scaled per head by a power of two (undone with the softmax scale).
     if Q.dtype.element_ty == gl.bfloat16:
         q_scale = _q_scale(q_ptrs, q_mask)
-        logit_scale = gl.convert_layout(sm_scale / q_scale, _HEAD_ROW)[:, None, :]
+        logit_scale = gl.convert_layout(sm_scale * _LOG2E / q_scale, _HEAD_ROW)[:, None, :]
     else:
         q_scale = gl.full([4, 8], 1.0, gl.float32, gl.SliceLayout(1, _Q_LOAD))
-        logit_scale = sm_scale
+        logit_scale = sm_scale * _LOG2E
     g0 = _q_group(q_ptrs, q_mask, 0, q_scale)
     g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
     g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
@@ -701,21 +715,21 @@ def _decode_stage1_gluon(
     )
 
     running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
-    running_sum = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
     acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    # The rest sums (tokens other than the running argmax) of B, U and P, kept per thread over its own
-    # tokens (_thread_sum) and reduced over the lanes once per split; A1 = B + U. Folded argmax terms go
-    # to lane row 0.
-    b_rest = _thread_sum(gl.zeros([4, 32, 8], gl.float32, _MMA))
-    u_rest = b_rest
-    w_rest = b_rest
-    rest_l: gl.constexpr = b_rest.type.layout
+    # The sum of the weights and the rest sums (tokens other than the running argmax) of B, U and P, kept
+    # per thread over its own tokens (_thread_sum) and reduced over the lanes once per split; A1 = B + U.
+    # Folded argmax terms go to lane row 0.
+    running_sum = _thread_sum(gl.zeros([4, 32, 8], gl.float32, _MMA))
+    b_rest = running_sum
+    u_rest = running_sum
+    w_rest = running_sum
+    rest_l: gl.constexpr = running_sum.type.layout
     fold_row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None] == 0
     # u at each warp's running argmax, with its g (kept, not recomputed per tile).
     u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     g_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    bad_slots = gl.zeros([4, 32], gl.int32, _TOKEN_ROW)
+    slot_max = gl.zeros([4, 32], gl.uint32, _TOKEN_ROW)
 
     # to_tensor: Triton passes an integer argument equal to 1 as a constant.
     key_lo = gl.to_tensor(seed_lo).to(gl.uint32)
@@ -775,19 +789,20 @@ def _decode_stage1_gluon(
         # The next tile's rows, for its copies (loaded now, used after this tile's QK and PV).
         next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))
         next_v = start + BLOCK_N + tok_v
-        next_v_bases = (
-            _token_base(KvIndices, kv_start, next_v, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
-            _token_base(KvIndices, kv_start, next_v + 16, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
-        )
+        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
+        # V's rows are K's, redistributed (tokens 0-15 and 16-31 of each warp) within the warp.
+        v_halves = gl.split(gl.permute(gl.reshape(next_base, [4, 2, 16]), [0, 2, 1]))
+        next_v_bases = (gl.convert_layout(v_halves[0], v_tok_l), gl.convert_layout(v_halves[1], v_tok_l))
         next_k_scale_rows = _token_base(
             KvIndices, kv_start, start + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64
         )
         next_v_scale_rows = _token_base(
             KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64
         )
-        in_range = (slots >= 0) & (slots < num_slots)
-        bad_slots += (in_split & ~in_range).to(gl.int32)
-        token_ok = in_split & in_range
+        # An out-of-range slot (negative ones are past 2**31 as unsigned) poisons the row after the loop
+        # (slot_max); until then it reads a real slot, so the tile needs no mask for it.
+        slot_max = gl.maximum(slot_max, slots.to(gl.uint32))
+        token_ok = in_split
         safe_slots = gl.minimum(slots.to(gl.uint32), max_slot)
         if HAS_SKIP:
             base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head  # Skip has one byte per row: 32 bits suffice
@@ -812,7 +827,6 @@ def _decode_stage1_gluon(
                     logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
                     q_offsets, 2 * half + parity,
                 )  # fmt: skip
-        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()
@@ -821,9 +835,10 @@ def _decode_stage1_gluon(
         tile_max = gl.max(logits, axis=1)
         new_max = gl.maximum(running_max, tile_max)
         shift = gl.where(new_max == -_FP32_INF, 0.0, new_max)
-        alpha = gl.exp(running_max - shift)
-        weights = gl.exp(logits - shift[:, None, :])
-        running_sum = running_sum * alpha + gl.sum(weights, axis=1)
+        alpha = _exp2(running_max - shift)
+        weights = _exp2(logits - shift[:, None, :])
+        rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
+        running_sum = running_sum * rest_alpha + _thread_sum(weights)
 
         # PV in two halves of 16 tokens per warp (token bit 4 of the logits is a register bit).
         halves = gl.permute(gl.reshape(weights * _P_SCALE, [4, 2, 16, 8]), [0, 2, 3, 1])
@@ -850,12 +865,11 @@ def _decode_stage1_gluon(
             rest = (~is_arg) & token_ok[:, :, None]
             # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
             # the max moved into this tile, else this tile's argmax (weight weight_arg).
-            weight_arg = gl.exp(tile_max - shift)
+            weight_arg = _exp2(tile_max - shift)
             moved = tile_max > running_max
             fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
             fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
             fold_w = gl.where(moved, alpha, weight_arg)
-            rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
             b_rest = _rescaled_fold(
                 weighted(rest_alpha, b_rest),
                 _thread_sum(gl.where(rest, weighted(weights, g_of(radius, True)), 0.0)),
@@ -875,12 +889,13 @@ def _decode_stage1_gluon(
     async_copy.wait_group(0)  # the copies of the tile past the end (all masked) before the memory is freed
 
     # Merge the four warps (the stage-2 algebra, with each warp's max in place of its LSE).
+    running_sum = gl.convert_layout(gl.sum(running_sum, axis=1), _HEAD_ROW)
     top = gl.max(running_max, axis=0)  # [8]
     top_shift = gl.where(top == -_FP32_INF, 0.0, top)
-    warp_weight = gl.exp(running_max - top_shift[None, :])  # [4, 8]
+    warp_weight = gl.exp2(running_max - top_shift[None, :])  # [4, 8]
     total = gl.sum(running_sum * warp_weight, axis=0)
     safe_sum = gl.where(total > 0, total, 1.0)
-    slots_ok = row_ok & (gl.sum(gl.sum(bad_slots, axis=1), axis=0) == 0)
+    slots_ok = row_ok & (gl.max(gl.max(slot_max, axis=1), axis=0) <= max_slot)
     poison = gl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
     part_heads = row * num_q_heads + kv_head * KV_GROUP + first_local
     _store_out(PartOut, acc0, warp_weight, safe_sum, poison, part_heads, split, KV_GROUP - first_local, NUM_SPLITS, 0)
@@ -890,7 +905,7 @@ def _decode_stage1_gluon(
     head_ok = local < KV_GROUP
     part_row = (row * num_q_heads + kv_head * KV_GROUP + local) * NUM_SPLITS + split
     empty = total == 0
-    gl.store(PartLse + part_row, gl.where(empty, -_FP32_INF, top + gl.log(safe_sum)) + poison, mask=head_ok)
+    gl.store(PartLse + part_row, gl.where(empty, -_FP32_INF, top * _LN2 + gl.log(safe_sum)) + poison, mask=head_ok)
     if CERTIFICATE:
         live = running_sum > 0
         warp_index = gl.arange(0, 4, layout=gl.SliceLayout(1, _HEAD_ROW))[:, None]
@@ -903,7 +918,7 @@ def _decode_stage1_gluon(
         u = gl.sum(warp_weight * u_rest + gl.where(loser, warp_weight * u_max, 0.0), axis=0)
         p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
         u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
-        gl.store(PartMax + part_row, top + poison, mask=head_ok)
+        gl.store(PartMax + part_row, top * _LN2 + poison, mask=head_ok)
         gl.store(PartA1 + part_row, (b + u) / safe_sum + poison, mask=head_ok)
         gl.store(PartB + part_row, b / safe_sum + poison, mask=head_ok)
         gl.store(PartURest + part_row, u / safe_sum + poison, mask=head_ok)
