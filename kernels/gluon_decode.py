@@ -96,6 +96,10 @@ def _philox_asm() -> str:
 
 _PHILOX_ASM = gl.constexpr(_philox_asm())
 _P_SCALE = gl.constexpr(16384.0)
+# The QK MMAs take -code and a dither byte j as 4 + j / 256 (_k_operands); with -xi = (128 - j) / 256 -
+# 1/512 the logit part is -(their sum) + (9/2 - 1/512) sum(q_g), so the accumulator starts at
+# -(9/2 - 1/512) sum(q_g) and the result is negated.
+_DITHER_OFFSET = gl.constexpr(-(4.5 - 1.0 / 512.0))
 
 # mma.sync m16n8k16, batched over the warps: [warp, rows, cols], each warp its own batch entry.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
@@ -370,26 +374,25 @@ def _swap_with_neighbour(x):
 
 @gluon.jit
 def _k_operands(codes, words):
-    """Four codes and their word -> fp16 ``code`` and ``(128 - j) / 256`` for the word's four dither bytes.
+    """Four codes and their word -> fp16 ``-code`` and ``4 + j / 256`` for the word's four dither bytes.
 
-    ``code ^ 0x80`` under the fp16 exponent byte 0x64 is ``1152 + code``; a dither byte ``j`` under 0x44
-    is ``4 + j / 256``. Both subtractions are exact. Fields count from the word's most significant byte.
+    ``code ^ 0x80`` under the fp16 exponent byte 0x64 is ``1152 + code``, and ``1152`` minus it is exact; a
+    dither byte ``j`` under 0x44 is ``4 + j / 256`` as is. With these the MMAs compute ``-(logit part) -
+    (9/2 - 1/512) sum(q_g)``, which the accumulator's start value cancels (``_qk_group``). Fields count
+    from the word's most significant byte.
     """
     return gl.inline_asm_elementwise(
         """
         {
-        .reg .b32 biased, offset, half;
+        .reg .b32 biased, offset;
         xor.b32 biased, $4, 0x80808080;
-        mov.b32 offset, 0xE480E480;
-        mov.b32 half, 0x44804480;
+        mov.b32 offset, 0x64806480;
         prmt.b32 $0, biased, 0x64646464, 0x4140;
         prmt.b32 $1, biased, 0x64646464, 0x4342;
-        add.rn.f16x2 $0, $0, offset;
-        add.rn.f16x2 $1, $1, offset;
+        sub.rn.f16x2 $0, offset, $0;
+        sub.rn.f16x2 $1, offset, $1;
         prmt.b32 $2, $5, 0x44444444, 0x4243;
         prmt.b32 $3, $5, 0x44444444, 0x4041;
-        sub.rn.f16x2 $2, half, $2;
-        sub.rn.f16x2 $3, half, $3;
         }
         """,
         "=r,=r,=r,=r,r,r,r,r,r",
@@ -500,9 +503,10 @@ def _copy_scales(scales, Scales, rows, offs, hi, groups):
 
 
 @gluon.jit
-def _k_group_scales(k_scales):
-    """A tile's K scales from shared memory: four ``[warp, token]`` fp32 tensors laid out as the logits' rows."""
-    both = gl.reshape(k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 2, 2])
+def _k_negated_scales(k_scales):
+    """A tile's K scales from shared memory, negated (the QK MMAs' results are, ``_k_operands``): four
+    ``[warp, token]`` fp32 tensors laid out as the logits' rows."""
+    both = gl.reshape(-k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 2, 2])
     even, odd = gl.split(both)  # groups 0, 2 and 1, 3
     g0, g2 = gl.split(even)
     g1, g3 = gl.split(odd)
@@ -554,8 +558,9 @@ def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
 
 
 @gluon.jit
-def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_offsets, g: gl.constexpr):
-    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled by ``scale`` into the logits.
+def _qk_group(logits, words, j_odd, k_tiles, neg_scale, q_ops, q_offsets, g: gl.constexpr):
+    """Channel group ``g`` of the tile: two MMAs (codes, dither), their negated result (``_k_operands``)
+    scaled by ``-neg_scale`` into the logits.
 
     ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
     holds its own words for the groups of its parity and its neighbour's for the others.
@@ -575,7 +580,7 @@ def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_offsets, g: gl.cons
     offset = q_offsets.index(g).load(_HEAD_ROW)
     part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))
     part = mma_v2(dither_op, q_ops[g], part)
-    return logits + part * scale[:, :, None]
+    return logits + part * neg_scale[:, :, None]
 
 
 @gluon.jit
@@ -683,13 +688,13 @@ def _decode_stage1_gluon(
     g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
     g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
     q_ops = (g0[0], g1[0], g2[0], g3[0])
-    # -sum(q_g) / 512 (the dither's offset) and the radius operands wait in shared memory, read once per
-    # tile: kept in registers through the loop they would cost more than the spills they would save.
+    # The MMAs' start values (the dither's offset, _k_operands) and the radius operands wait in shared memory,
+    # read once per tile: kept in registers through the loop they would cost more than the spills they save.
     q_offsets = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
-    q_offsets.index(0).store(g0[1] * (-1.0 / 512.0))
-    q_offsets.index(1).store(g1[1] * (-1.0 / 512.0))
-    q_offsets.index(2).store(g2[1] * (-1.0 / 512.0))
-    q_offsets.index(3).store(g3[1] * (-1.0 / 512.0))
+    q_offsets.index(0).store(g0[1] * _DITHER_OFFSET)
+    q_offsets.index(1).store(g1[1] * _DITHER_OFFSET)
+    q_offsets.index(2).store(g2[1] * _DITHER_OFFSET)
+    q_offsets.index(3).store(g3[1] * _DITHER_OFFSET)
     radius_ops = (
         gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
         gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
@@ -812,7 +817,7 @@ def _decode_stage1_gluon(
 
         async_copy.wait_group(1)  # this tile's K
         tile_scales = k_scales.index(stage)
-        group_scales = _k_group_scales(tile_scales)
+        neg_scales = _k_negated_scales(tile_scales)
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
         for half in gl.static_range(2):
             # Call 2 j0 + j1 + 4 half holds group j0 + 2 half; the neighbour's holds the other group.
@@ -824,7 +829,7 @@ def _decode_stage1_gluon(
             got_hi = _swap_with_neighbour(gl.where(j_odd, w1, w3))
             for parity in gl.static_range(2):
                 logits = _qk_group(
-                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
+                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, neg_scales[2 * half + parity], q_ops,
                     q_offsets, 2 * half + parity,
                 )  # fmt: skip
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi)
@@ -870,12 +875,11 @@ def _decode_stage1_gluon(
             fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
             fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
             fold_w = gl.where(moved, alpha, weight_arg)
-            b_rest = _rescaled_fold(
-                weighted(rest_alpha, b_rest),
-                _thread_sum(gl.where(rest, weighted(weights, g_of(radius, True)), 0.0)),
-                fold_row,
-                fold_b,
-            )
+            # A term is NaN only as 0 * inf (a rest token whose weight underflowed, with an infinite g): the
+            # sum's NaN becomes that term's +inf.
+            tile_b = _thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0))
+            tile_b = gl.where(tile_b == tile_b, tile_b, _FP32_INF)
+            b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
             u_rest = _rescaled_fold(
                 u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u
             )
