@@ -55,8 +55,9 @@ GROUP_SIZE = gl.constexpr(32)
 
 _FP32_INF = gl.constexpr(float("inf"))
 # The loop keeps its logits, maxima and shifts in base-2 units (the softmax scale times log2(e)), so that a
-# weight is one ex2; the stored max and LSE go back to natural units.
-_LOG2E = gl.constexpr(1.4426950408889634)
+# weight is one ex2; the stored max and LSE go back to natural units. The scale is negated: the QK MMAs
+# compute the negated logits (_k_operands).
+_NEG_LOG2E = gl.constexpr(-1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 # Triton 3.9 renamed Gluon's CTA barrier and its asynchronous copy.
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -503,10 +504,9 @@ def _copy_scales(scales, Scales, rows, offs, hi, groups):
 
 
 @gluon.jit
-def _k_negated_scales(k_scales):
-    """A tile's K scales from shared memory, negated (the QK MMAs' results are, ``_k_operands``): four
-    ``[warp, token]`` fp32 tensors laid out as the logits' rows."""
-    both = gl.reshape(-k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 2, 2])
+def _k_group_scales(k_scales):
+    """A tile's K scales from shared memory: four ``[warp, token]`` fp32 tensors laid out as the logits' rows."""
+    both = gl.reshape(k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 2, 2])
     even, odd = gl.split(both)  # groups 0, 2 and 1, 3
     g0, g2 = gl.split(even)
     g1, g3 = gl.split(odd)
@@ -558,9 +558,9 @@ def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
 
 
 @gluon.jit
-def _qk_group(logits, words, j_odd, k_tiles, neg_scale, q_ops, q_offsets, g: gl.constexpr):
-    """Channel group ``g`` of the tile: two MMAs (codes, dither), their negated result (``_k_operands``)
-    scaled by ``-neg_scale`` into the logits.
+def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_offsets, g: gl.constexpr):
+    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled by ``scale`` into the negated
+    logits (the MMAs' results are negated, ``_k_operands``; the softmax scale undoes it).
 
     ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
     holds its own words for the groups of its parity and its neighbour's for the others.
@@ -580,7 +580,7 @@ def _qk_group(logits, words, j_odd, k_tiles, neg_scale, q_ops, q_offsets, g: gl.
     offset = q_offsets.index(g).load(_HEAD_ROW)
     part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))
     part = mma_v2(dither_op, q_ops[g], part)
-    return logits + part * neg_scale[:, :, None]
+    return logits + part * scale[:, :, None]
 
 
 @gluon.jit
@@ -679,10 +679,10 @@ def _decode_stage1_gluon(
     # A bf16 query enters the MMAs as fp16, scaled per head by a power of two (undone with the softmax scale).
     if Q.dtype.element_ty == gl.bfloat16:
         q_scale = _q_scale(q_ptrs, q_mask)
-        logit_scale = gl.convert_layout(sm_scale * _LOG2E / q_scale, _HEAD_ROW)[:, None, :]
+        logit_scale = gl.convert_layout(sm_scale * _NEG_LOG2E / q_scale, _HEAD_ROW)[:, None, :]
     else:
         q_scale = gl.full([4, 8], 1.0, gl.float32, gl.SliceLayout(1, _Q_LOAD))
-        logit_scale = sm_scale * _LOG2E
+        logit_scale = sm_scale * _NEG_LOG2E
     g0 = _q_group(q_ptrs, q_mask, 0, q_scale)
     g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
     g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
@@ -817,7 +817,7 @@ def _decode_stage1_gluon(
 
         async_copy.wait_group(1)  # this tile's K
         tile_scales = k_scales.index(stage)
-        neg_scales = _k_negated_scales(tile_scales)
+        group_scales = _k_group_scales(tile_scales)
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
         for half in gl.static_range(2):
             # Call 2 j0 + j1 + 4 half holds group j0 + 2 half; the neighbour's holds the other group.
@@ -829,7 +829,7 @@ def _decode_stage1_gluon(
             got_hi = _swap_with_neighbour(gl.where(j_odd, w1, w3))
             for parity in gl.static_range(2):
                 logits = _qk_group(
-                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, neg_scales[2 * half + parity], q_ops,
+                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
                     q_offsets, 2 * half + parity,
                 )  # fmt: skip
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi)
