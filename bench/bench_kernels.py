@@ -10,6 +10,10 @@ replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
 * ``int8_nocert`` / ``int8_cert``: our int8 dithered kernel without / with the certificate
   (``v_dither`` as given: K is always dithered), stage 1 in Gluon where it applies
   (``kernels/gluon_decode.py``); ``triton_nocert`` / ``triton_cert``: the same with the Triton stage 1;
+* with ``--baseline-stage1 FILE``, ``base_nocert`` / ``base_cert``: the int8 kernel with the Gluon stage 1
+  of FILE, another version of ``kernels/gluon_decode.py`` (``git show REV:kernels/gluon_decode.py``), in
+  its place; everything else (stage 2, the shared Triton helpers) is this checkout's. Changes smaller
+  than the few percent two runs differ by are measurable only this way, paired in one run.
 
 Inputs are rotated among enough copies that each timed call reads at least 512 MB, so the L2 (60 MB)
 cannot serve them. Bandwidth = bytes the variant must read (K and V codes, scales, indices; fp16
@@ -20,16 +24,19 @@ for the fp16 variants) / median time; ``copy_tbps`` is a device-to-device copy (
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import witcert.kernels
 from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, reference
 from witcert.kernels.attention import LAUNCH, LaunchConfig
 
@@ -53,6 +60,17 @@ def _rotations(bytes_per_copy: int) -> int:
 
 
 VARIANTS = ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert", "triton_nocert", "triton_cert")
+BASELINE_VARIANTS = ("base_nocert", "base_cert")
+
+
+def load_stage1(path: Path) -> ModuleType:
+    """Another version of ``kernels/gluon_decode.py`` as a module of its own (its kernels compile apart)."""
+    spec = importlib.util.spec_from_file_location(f"witcert_stage1_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline-stage1: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def bench_decode(
@@ -62,6 +80,7 @@ def bench_decode(
     delta: float,
     names: tuple[str, ...] = VARIANTS,
     dtype: torch.dtype = torch.float16,
+    baseline: ModuleType | None = None,
 ) -> dict:
     tokens = batch * context
     fp16_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * 2
@@ -104,13 +123,19 @@ def bench_decode(
         i = next_copy()
         decode_attention_fp16(q[i], k_cache, v_cache, indptr, indices[i], out=out)
 
-    def int8(certificate: bool, gluon: bool):
+    def int8(certificate: bool, gluon: bool, stage1: ModuleType | None = None):
         def run() -> None:
             # Read when the graph is captured: each variant records its own stage 1 (the Gluon one at every
             # size, so that the table shows where the size threshold, LAUNCH.gluon_min_tokens, belongs).
             LAUNCH.gluon, LAUNCH.gluon_min_tokens = gluon, 0
-            i = next_copy()
-            decode_attention(q[i], pool, 0, indptr, indices[i], delta_step=delta, out=out, certificate=certificate)
+            current = importlib.import_module("witcert.kernels.gluon_decode")
+            # attention.py imports the Gluon module at each call: the baseline takes its place for this one.
+            witcert.kernels.gluon_decode = stage1 or current
+            try:
+                i = next_copy()
+                decode_attention(q[i], pool, 0, indptr, indices[i], delta_step=delta, out=out, certificate=certificate)
+            finally:
+                witcert.kernels.gluon_decode = current
 
         return run
 
@@ -122,8 +147,10 @@ def bench_decode(
         ("int8_cert", int8(True, True), int8_bytes),
         ("triton_nocert", int8(False, False), int8_bytes),
         ("triton_cert", int8(True, False), int8_bytes),
+        ("base_nocert", int8(False, True, baseline), int8_bytes),
+        ("base_cert", int8(True, True, baseline), int8_bytes),
     ):
-        if name not in names:
+        if name not in names or (name in BASELINE_VARIANTS and baseline is None):
             continue
         try:
             ms = _median_ms(fn)
@@ -210,9 +237,13 @@ def main() -> None:
         "--dtype", choices=["fp16", "bf16"], default="fp16", help="the model's dtype: queries and the baselines' caches"
     )
     parser.add_argument("--output", type=Path, default=Path("bench/results/kernels_h200.json"))
+    parser.add_argument("--baseline-stage1", type=Path, metavar="FILE", help="another version of "
+                        "kernels/gluon_decode.py, timed in the same run as base_nocert / base_cert")  # fmt: skip
     parser.add_argument("--sweep", choices=["gluon", "triton", "both"], help="first pick the launch config of "
                         "these stage-1 kernels (B=32, S=16k); the others keep the defaults")  # fmt: skip
     args = parser.parse_args()
+    baseline = load_stage1(args.baseline_stage1) if args.baseline_stage1 else None
+    names = VARIANTS + (BASELINE_VARIANTS if baseline else ())
     delta = reference.delta_step(28, Q_HEADS)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     results = {
@@ -224,6 +255,7 @@ def main() -> None:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "copy_tbps": copy_bandwidth(),
         "write": bench_write(),
+        "baseline_stage1": str(args.baseline_stage1) if baseline else None,
         "decode": [],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -235,11 +267,11 @@ def main() -> None:
     for v_dither in modes:
         for batch in args.batches:
             for context in args.contexts:
-                row = bench_decode(batch, context, v_dither, delta, dtype=dtype)
+                row = bench_decode(batch, context, v_dither, delta, names=names, dtype=dtype, baseline=baseline)
                 row["v_dither"] = v_dither
                 row["dtype"] = args.dtype
                 results["decode"].append(row)
-                cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in VARIANTS]
+                cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in names]
                 print(f"v_dither={v_dither} B={batch} S={context}: " + " ".join(cells), flush=True)
                 torch.cuda.empty_cache()
                 # Rewritten after every row: a run stopped at its time limit keeps what it measured.
