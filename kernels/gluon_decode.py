@@ -18,22 +18,24 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   output channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max,
   sums and output accumulator; the four are merged once per split, with the same algebra as the
-  split merge of stage 2. q's dither offsets and the radius operands wait in shared memory.
+  split merge of stage 2. q's dither offsets and the radius operands wait in shared memory. The weights'
+  sum stays per thread too; an out-of-range slot poisons the row after the loop (a running maximum).
 * **The certificate** (THEORY.md section 3) on the same tile: the radius from two tf32 MMAs of the tile's
   scales with operands built from q's norms (``_radius``), ``A1 = B + U`` (no ``expm1`` per token), and
   the rest sums kept per thread over its own tokens, reduced over the lanes once per split.
 * **Codes and scales one tile ahead**: tile i + 1's K (codes, scales) and V are copied to shared memory
   by ``cp.async`` while tile i is computed; the membar analysis adds four CTA barriers per tile.
 
-Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): codes and ``(128 - j) / 256``
-are exact in fp16 (the remaining ``-1/512`` of ``-xi`` enters as ``-sum(q_g) / 512``, the accumulator's
-initial value), and the output uses the exact ``v_hi + v_lo`` split of ``s * code`` with ``2**14 p``
-split into ``p_hi + p_mid``. The outputs are the stage-1 partials of the Triton kernel, so its stage 2
-merges them. Supported: fp16 and bf16 queries (bf16 scaled per head into fp16, ``_q_scale``), head_dim
-128, channel groups of 32, 8-bit dithers, V rounded to nearest, no outlier channels (``supports`` says;
-everything else runs the Triton kernel); 64-bit addresses for pools of 2**31 code bytes (``OFFSETS_64``). Compiled
-on the GPU only: Gluon has no interpreter, so the contract tests run it on the H200, and CI checks its
-compiled token loop (``tests/test_kernels_sass.py``).
+Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code`` and a dither
+byte ``j`` as ``4 + j / 256``, both exact in fp16, and start from ``-(9/2 - 1/512) sum(q_g)``, so that they
+compute the negated logit part exactly up to float32 sums (``_k_operands``); the softmax scale is negated to
+match, and the loop keeps logits in base-2 units (one ``ex2`` per weight). The output uses the exact ``v_hi +
+v_lo`` split of ``s * code`` with ``2**14 p`` split into ``p_hi + p_mid``. The outputs are the stage-1
+partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and bf16 queries (bf16 scaled per
+head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest, no
+outlier channels (``supports`` says; everything else runs the Triton kernel); 64-bit addresses for pools of
+2**31 code bytes (``OFFSETS_64``). Compiled on the GPU only: Gluon has no interpreter, so the contract tests
+run it on the H200, and CI checks its compiled token loop (``tests/test_kernels_sass.py``).
 """
 
 from __future__ import annotations
