@@ -789,8 +789,8 @@ def _decode_stage1_gluon(
     stage = 0
     for start in range(lo, hi, BLOCK_N):
         # The tile's tokens, read clamped rather than masked: a token past the end or out of range reads
-        # a real slot (codes and scales are finite; the copies of tokens past the end are zero-filled) and
-        # weighs nothing (token_ok).
+        # a real slot (codes and scales are finite; the copies of tokens past the end are zero-filled). One
+        # past the end weighs nothing (token_ok); one out of range poisons the row (slot_max).
         offs = start + tok_t
         in_split = offs < hi
         # The next tile's rows, for its copies (loaded now, used after this tile's QK and PV).
