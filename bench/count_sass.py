@@ -8,8 +8,9 @@ one (``--kernel triton``; ``triton_kernels._decode_stage1`` at ``LAUNCH``'s tile
 the benchmark's shape (Qwen2.5-7B: 4 KV heads of 7 query heads, D 128, G 32, 8-bit dithers, fp16
 query), disassembles it with the ``nvdisasm`` that Triton ships, and prints per variant the
 instructions of the whole kernel and of the token loop alone (one iteration per 128-token tile), the
-registers, the local-memory spill stores, the most frequent opcodes and, with ``--by-line``, which
-source lines the loop's instructions come from.
+registers, the local-memory spill stores (all, and those in the loop), the most frequent opcodes and,
+with ``--by-line`` and ``--by-function``, which source lines and functions the loop's instructions come
+from. ``--maxnreg`` compiles the Gluon stage 1 at another register cap.
 
 Use the device's Triton version for figures that match its binaries (3.6 in 2026-12):
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/count_sass.py``.
@@ -18,12 +19,25 @@ Use the device's Triton version for figures that match its binaries (3.6 in 2026
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 from pathlib import Path
 
 import triton
 
 from witcert.kernels.attention import LAUNCH
 from witcert.kernels.sass import compile_cubin, profile
+
+
+def _enclosing_function(path: str, line: int) -> str:
+    """The ``def`` a source line belongs to (the nearest one above it), or the file's name."""
+    if not Path(path).exists():
+        return Path(path).name
+    lines = Path(path).read_text().splitlines()[:line]
+    for text in reversed(lines):
+        if match := re.match(r"def (\w+)", text):
+            return match.group(1)
+    return Path(path).name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,9 +52,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--q-dtype", choices=["fp16", "bf16"], default="fp16", help="the queries' dtype")
     parser.add_argument("--top", type=int, default=10, help="most frequent opcodes to list")
     parser.add_argument("--by-line", type=int, default=0, metavar="N", help="also list the N heaviest source lines")
+    parser.add_argument("--by-function", type=int, default=0, metavar="N", help="also list the N heaviest functions")
+    parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (default: LAUNCH's)")
     args = parser.parse_args(argv)
     if args.v_dither and args.kernel == "gluon":
         parser.error("the Gluon stage 1 has no dithered-V variant (--kernel triton)")
+    if args.maxnreg is not None:
+        if args.kernel != "gluon":
+            parser.error("--maxnreg sets the Gluon stage 1's cap (the Triton one's is LAUNCH.maxnreg)")
+        LAUNCH.gluon_maxnreg = LAUNCH.gluon_maxnreg_nocert = args.maxnreg
     print(f"Triton {triton.__version__}, sm_90, {args.kernel} stage 1, launch {LAUNCH}, "
           f"V {'dithered' if args.v_dither else 'nearest'}{', 64-bit offsets' if args.offsets_64 else ''}")  # fmt: skip
     for certificate in (True, False):
@@ -55,12 +75,18 @@ def main(argv: list[str] | None = None) -> None:
         opcodes = result.opcodes
         print(
             f"\n{'with' if certificate else 'without'} certificate: {sum(opcodes.values())} instructions, "
-            f"{result.loop_length} in the token loop, {result.registers} registers, {opcodes['STL']} spill stores"
+            f"{result.loop_length} in the token loop, {result.registers} registers, {opcodes['STL']} spill stores "
+            f"({result.loop_opcodes['STL']} in the loop)"
         )
         print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))
         for (path, line), n in result.loop_lines.most_common(args.by_line):
             text = Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
             print(f"  {n:5d}  {Path(path).name}:{line}  {text[:90]}")
+        functions: collections.Counter[str] = collections.Counter()
+        for (path, line), n in result.loop_lines.items():
+            functions[_enclosing_function(path, line)] += n
+        for name, n in functions.most_common(args.by_function):
+            print(f"  {n:5d}  {name}")
 
 
 if __name__ == "__main__":

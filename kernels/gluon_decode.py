@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
-from witcert.kernels.triton_kernels import g_of, mul_nonneg, split_range, weighted
+from witcert.kernels.triton_kernels import g_of, inf_where_nan, mul_nonneg, split_range, weighted
 
 NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
@@ -877,10 +877,7 @@ def _decode_stage1_gluon(
             fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
             fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
             fold_w = gl.where(moved, alpha, weight_arg)
-            # A term is NaN only as 0 * inf (a rest token whose weight underflowed, with an infinite g): the
-            # sum's NaN becomes that term's +inf.
-            tile_b = _thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0))
-            tile_b = gl.where(tile_b == tile_b, tile_b, _FP32_INF)
+            tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))
             b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
             u_rest = _rescaled_fold(
                 u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u

@@ -174,6 +174,14 @@ def weighted(weight, x):
 
 
 @triton.jit
+def inf_where_nan(total):
+    """A sum of non-negative weighted terms is NaN only through ``0 * inf``: a weight that underflowed to 0
+    next to an overflowed factor. That term is +inf, as in the reference (``mul_nonneg``): its token's true
+    logit may lie above the max. One test per sum instead of one per term (``weighted``)."""
+    return tl.where(total == total, total, _FP32_INF)
+
+
+@triton.jit
 def split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """``(kv_start, row_ok, lo, hi, seq_len)``: the row's first index, split ``split``'s token range
     ``[lo, hi)`` and the row's length.
@@ -204,12 +212,7 @@ def tile_rest_sums(weights, radius, g_u, is_arg):
     rest_weights = tl.where(is_arg, 0.0, weights)
     terms = (tl.where(is_arg, radius, 0.0), weights * tl.where(is_arg, 0.0, g_u), rest_weights * radius, rest_weights)
     u_arg, tile_b, tile_u, tile_w = tl.reduce(terms, 1, _add4)
-    # No term is negative, so (NaN weights and radii aside) a sum is NaN only through 0 * inf, a weight that
-    # underflowed to 0 next to an overflowed u or g(u): one test per head and tile instead of one per token.
-    # Such a token adds +inf, as in the reference (mul_nonneg): its true logit may lie above the max.
-    tile_b = tl.where(tile_b == tile_b, tile_b, _FP32_INF)
-    tile_u = tl.where(tile_u == tile_u, tile_u, _FP32_INF)
-    return u_arg, tile_b, tile_u, tile_w
+    return u_arg, inf_where_nan(tile_b), inf_where_nan(tile_u), tile_w
 
 
 @triton.jit
