@@ -241,9 +241,13 @@ def main() -> None:
                         "kernels/gluon_decode.py, timed in the same run as base_nocert / base_cert")  # fmt: skip
     parser.add_argument("--sweep", choices=["gluon", "triton", "both"], help="first pick the launch config of "
                         "these stage-1 kernels (B=32, S=16k); the others keep the defaults")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS + BASELINE_VARIANTS, help="time only these "
+                        "(default: all; the base_ ones need --baseline-stage1)")  # fmt: skip
     args = parser.parse_args()
     baseline = load_stage1(args.baseline_stage1) if args.baseline_stage1 else None
-    names = VARIANTS + (BASELINE_VARIANTS if baseline else ())
+    names = tuple(args.variants or VARIANTS + (BASELINE_VARIANTS if baseline else ()))
+    if baseline is None and set(names) & set(BASELINE_VARIANTS):
+        parser.error("--variants base_nocert / base_cert need --baseline-stage1")
     delta = reference.delta_step(28, Q_HEADS)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     results = {

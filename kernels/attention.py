@@ -182,6 +182,7 @@ def gluon_supports(q: torch.Tensor, pool: KVPool) -> bool:
         dither_bits=pool.dither_bits,
         v_dither=pool.v_dither,
         outliers=pool.num_outliers,
+        rows=pool.num_slots * pool.kv_heads,
     )
 
 

@@ -33,9 +33,10 @@ match, and the loop keeps logits in base-2 units (one ``ex2`` per weight). The o
 v_lo`` split of ``s * code`` with ``2**14 p`` split into ``p_hi + p_mid``. The outputs are the stage-1
 partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and bf16 queries (bf16 scaled per
 head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest, no
-outlier channels (``supports`` says; everything else runs the Triton kernel); 64-bit addresses for pools of
-2**31 code bytes (``OFFSETS_64``). Compiled on the GPU only: Gluon has no interpreter, so the contract tests
-run it on the H200, and CI checks its compiled token loop (``tests/test_kernels_sass.py``).
+outlier channels, fewer than 2**29 (slot, KV head) rows (``supports`` says; everything else runs the Triton
+kernel); 64-bit code offsets for pools of 2**31 code bytes (``OFFSETS_64``). Compiled on the GPU only:
+Gluon has no interpreter, so the contract tests run it on the H200, and CI checks its compiled token loop
+(``tests/test_kernels_sass.py``).
 """
 
 from __future__ import annotations
@@ -231,9 +232,11 @@ _V_SHARED = gl.constexpr(
 
 
 def supports(
-    *, q_dtype: object, head_dim: int, group_size: int, dither_bits: int, v_dither: bool, outliers: int
+    *, q_dtype: object, head_dim: int, group_size: int, dither_bits: int, v_dither: bool, outliers: int, rows: int
 ) -> bool:
-    """Whether this kernel covers a decode call (everything else runs the Triton kernel)."""
+    """Whether this kernel covers a decode call on a pool of ``rows`` (slot, KV head) rows (everything else runs
+    the Triton kernel). Rows and the scales' element offsets (``rows * 4``) are 32-bit; only the codes' byte
+    offsets widen (``OFFSETS_64``), so pools of 2**29 rows or more take the Triton kernel."""
     import torch
 
     return (
@@ -243,6 +246,7 @@ def supports(
         and dither_bits == 8
         and not v_dither
         and outliers == 0
+        and rows * (HEAD_DIM // GROUP_SIZE) < 2**31
     )
 
 
@@ -367,6 +371,23 @@ def _exp2(x):
     return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
+_RESCALE_ASM = gl.constexpr(
+    "{\n.reg .pred p;\nsetp.eq.f32 p, $32, 0f3F800000;\nsetp.eq.and.f32 p, $33, 0f3F800000, p;\n"
+    "@p bra SKIP${:uid};\n" + "\n".join(f"mul.f32 ${i}, ${i}, ${32 + i};" for i in range(16)) + "\nSKIP${:uid}:\n}"
+)
+_RESCALE_CONSTRAINTS = gl.constexpr("=r," * 16 + ",".join(str(i) for i in range(16)) + "," + "r," * 15 + "r")
+
+
+@gluon.jit
+def _rescaled(acc, alpha):
+    """``acc * alpha``, skipped by a branch where the thread's two heads' ``alpha`` are both 1 (their max did not
+    move, as in most tiles of a long context): ``x * 1 = x``, so the bits are the same either way, and the 16
+    multiplications are not issued."""
+    return gl.inline_asm_elementwise(
+        _RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc, alpha], dtype=gl.float32, is_pure=True, pack=16
+    )
+
+
 @gluon.jit
 def _swap_with_neighbour(x):
     """The value lane ``l ^ 1`` holds (all 32 lanes take part)."""
@@ -468,31 +489,30 @@ def _relabel_v(x):
 
 
 @gluon.jit
-def _slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head, OFFSETS_64: gl.constexpr):
-    """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing);
-    64-bit where the pool's codes reach 2**31 bytes (the rows' byte offsets would overflow 32 bits)."""
+def _slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
+    """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing).
+    32-bit (``gluon_supports`` asks for fewer than 2**31 rows); the copies widen the byte offsets where the
+    pool's codes reach 2**31 bytes (``OFFSETS_64``)."""
     slot = gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32))
-    return slot.to(gl.int64 if OFFSETS_64 else gl.int32) * NUM_KV_HEADS + kv_head
+    return slot.to(gl.int32) * NUM_KV_HEADS + kv_head
 
 
 @gluon.jit
-def _token_base(
-    KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head, OFFSETS_64: gl.constexpr
-):
+def _token_base(KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
     """Row ``slot * H_kv + kv_head`` of the tokens at ``offs``: clamped, not masked, so that a token past
     the end or out of range reads a real slot (finite codes and scales) and weighs nothing."""
     slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
-    return _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
+    return _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)
 
 
 @gluon.jit
-def _copy_k(k_tiles, KCodes, base, offs, hi):
+def _copy_k(k_tiles, KCodes, base, offs, hi, OFFSETS_64: gl.constexpr):
     """Start copying the K codes of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to ``k_tiles``
     (one buffer per channel group); tokens past ``hi`` are zero-filled."""
     k_base = gl.convert_layout(base, gl.SliceLayout(2, _K_GROUP))
     live = (gl.convert_layout(offs, gl.SliceLayout(2, _K_GROUP)) < hi)[:, :, None].broadcast_to(4, 32, 32)
     chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _K_GROUP)))[None, None, :]
-    rows = k_base[:, :, None] * HEAD_DIM + chan
+    rows = k_base[:, :, None].to(gl.int64 if OFFSETS_64 else gl.int32) * HEAD_DIM + chan
     for g in gl.static_range(4):
         _async_load(k_tiles[g], KCodes + rows + g * GROUP_SIZE, mask=live)
 
@@ -521,13 +541,15 @@ def _k_group_scales(k_scales):
 
 
 @gluon.jit
-def _copy_v(v_tiles, VCodes, bases, offs, hi):
+def _copy_v(v_tiles, VCodes, bases, offs, hi, OFFSETS_64: gl.constexpr):
     """Start copying the V codes of one tile (``offs``: the first 16 tokens of each warp, ``[warp, 16]``;
     ``bases``: the rows of those and of the next 16) to ``v_tiles``: (tokens 0-15, channels of bit 3 clear),
     (0-15, set), (16-31, clear), (16-31, set)."""
     index = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
     for part in gl.static_range(2):
-        rows = bases[part][:, :, None] * HEAD_DIM + 16 * (index // 8) + index % 8
+        rows = (
+            bases[part][:, :, None].to(gl.int64 if OFFSETS_64 else gl.int32) * HEAD_DIM + 16 * (index // 8) + index % 8
+        )
         live = ((offs + 16 * part) < hi)[:, :, None].broadcast_to(4, 16, 64)
         for half in gl.static_range(2):
             _async_load(v_tiles[2 * part + half], VCodes + rows + 8 * half, mask=live)
@@ -590,6 +612,13 @@ def _thread_sum(x):
     """``[warp, token, head]`` (logits' layout) summed over the four tokens each thread holds (token bits 3
     and 4 are register bits): ``[warp, token % 8, head]``, no lane exchange."""
     return gl.sum(gl.reshape(x, [4, 4, 8, 8]), axis=1)
+
+
+@gluon.jit
+def _thread_max(slots):
+    """``[warp, token]`` (the logits' token layout) reduced to its maximum over the four tokens each thread
+    holds: ``[warp, token % 8]``, one register a thread, no lane exchange."""
+    return gl.max(gl.reshape(slots, [4, 4, 8]), axis=1)
 
 
 @gluon.jit
@@ -736,7 +765,7 @@ def _decode_stage1_gluon(
     # u at each warp's running argmax, with its g (kept, not recomputed per tile).
     u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     g_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    slot_max = gl.zeros([4, 32], gl.uint32, _TOKEN_ROW)
+    slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
 
     # to_tensor: Triton passes an integer argument equal to 1 as a constant.
     key_lo = gl.to_tensor(seed_lo).to(gl.uint32)
@@ -774,16 +803,16 @@ def _decode_stage1_gluon(
     )
     groups_vs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
     slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
-    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64), lo + tok_t, hi)
-    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
+    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)
+    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)
     _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)
     async_copy.commit_group()
     v_bases = (
-        _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
-        _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64),
+        _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
+        _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
     )
-    _copy_v(v_tiles, VCodes, v_bases, lo + tok_v, hi)
-    rows = _token_base(KvIndices, kv_start, lo + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
+    _copy_v(v_tiles, VCodes, v_bases, lo + tok_v, hi, OFFSETS_64)
+    rows = _token_base(KvIndices, kv_start, lo + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head)
     _copy_scales(v_scales, VScales, rows, lo + tok_vs, hi, groups_vs)
     async_copy.commit_group()
     stage = 0
@@ -796,19 +825,19 @@ def _decode_stage1_gluon(
         # The next tile's rows, for its copies (loaded now, used after this tile's QK and PV).
         next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))
         next_v = start + BLOCK_N + tok_v
-        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64)
+        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
         # V's rows are K's, redistributed (tokens 0-15 and 16-31 of each warp) within the warp.
         v_halves = gl.split(gl.permute(gl.reshape(next_base, [4, 2, 16]), [0, 2, 1]))
         next_v_bases = (gl.convert_layout(v_halves[0], v_tok_l), gl.convert_layout(v_halves[1], v_tok_l))
         next_k_scale_rows = _token_base(
-            KvIndices, kv_start, start + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64
+            KvIndices, kv_start, start + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head
         )
         next_v_scale_rows = _token_base(
-            KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head, OFFSETS_64
+            KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head
         )
         # An out-of-range slot (negative ones are past 2**31 as unsigned) poisons the row after the loop
         # (slot_max); until then it reads a real slot, so the tile needs no mask for it.
-        slot_max = gl.maximum(slot_max, slots.to(gl.uint32))
+        slot_max = gl.maximum(slot_max, _thread_max(slots.to(gl.uint32)))
         token_ok = in_split
         safe_slots = gl.minimum(slots.to(gl.uint32), max_slot)
         if HAS_SKIP:
@@ -834,7 +863,7 @@ def _decode_stage1_gluon(
                     logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
                     q_offsets, 2 * half + parity,
                 )  # fmt: skip
-        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi)
+        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()
         logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)
@@ -850,12 +879,12 @@ def _decode_stage1_gluon(
         # PV in two halves of 16 tokens per warp (token bit 4 of the logits is a register bit).
         halves = gl.permute(gl.reshape(weights * _P_SCALE, [4, 2, 16, 8]), [0, 2, 3, 1])
         first, second = gl.split(halves)
-        acc0 = acc0 * alpha[:, None, :]
-        acc1 = acc1 * alpha[:, None, :]
+        acc0 = _rescaled(acc0, alpha[:, None, :].broadcast_to(4, 64, 8))
+        acc1 = _rescaled(acc1, alpha[:, None, :].broadcast_to(4, 64, 8))
         async_copy.wait_group(1)  # this tile's V
         acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
         acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
-        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi)
+        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)
         _copy_scales(v_scales, VScales, next_v_scale_rows, start + BLOCK_N + tok_vs, hi, groups_vs)
         async_copy.commit_group()
 

@@ -52,3 +52,16 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
     # 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48; the radius 2 products (sigma^2,
     # bias) x 2 row tiles x 2 tf32 k steps = 8.
     assert loop.get("HMMA", 0) == 80 + (8 if certificate else 0)
+
+
+def test_gluon_covers_pools_whose_32_bit_offsets_fit():
+    """Rows and scale offsets stay 32-bit in the Gluon loop (only code byte offsets widen): a pool of 2**29
+    (slot, KV head) rows, whose scales' element offsets reach 2**31, goes to the Triton kernel."""
+    import torch
+
+    from witcert.kernels import gluon_decode
+
+    shape = dict(q_dtype=torch.float16, head_dim=128, group_size=32, dither_bits=8, v_dither=False, outliers=0)
+    assert gluon_decode.supports(**shape, rows=2**29 - 1)
+    assert not gluon_decode.supports(**shape, rows=2**29)
+    assert not gluon_decode.supports(**{**shape, "v_dither": True}, rows=1)
