@@ -10,7 +10,7 @@ query), disassembles it with the ``nvdisasm`` that Triton ships, and prints per 
 instructions of the whole kernel and of the token loop alone (one iteration per 128-token tile), the
 registers, the local-memory spill stores (all, and those in the loop), the most frequent opcodes and,
 with ``--by-line`` and ``--by-function``, which source lines and functions the loop's instructions come
-from. ``--maxnreg`` compiles the Gluon stage 1 at another register cap.
+from; ``--by-pipe`` counts them per issuing pipe. ``--maxnreg`` compiles the Gluon stage 1 at another register cap.
 
 Use the device's Triton version for figures that match its binaries (3.6 in 2026-12):
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/count_sass.py``.
@@ -40,6 +40,26 @@ def _enclosing_function(path: str, line: int) -> str:
     return Path(path).name
 
 
+# Which execution pipe of an sm_90 scheduler issues each opcode, as far as the loop uses them. The ALU pipe
+# takes a warp instruction every other cycle, the FMA pipe's float and f16x2 side every cycle; IMAD runs
+# on its heavy half only (every other cycle). Everything else is counted as "other".
+PIPES = {
+    "alu": "LOP3 PRMT SEL FSEL ISETP FSETP FMNMX VIMNMX VIMNMX3 IMNMX IADD3 LEA SHF PLOP3 P2R R2P MOV BMSK".split(),
+    "fma": "FFMA FMUL FADD HFMA2 HADD2 HMUL2".split(),
+    "imad": ["IMAD"],
+    "tensor": ["HMMA"],
+    "mufu": ["MUFU"],
+    "memory": "LDS STS SHFL LDGSTS LDG LDL STL BAR".split(),
+}
+
+
+def by_pipe(opcodes: collections.Counter[str]) -> dict[str, int]:
+    """The loop's instructions per issuing pipe (``PIPES``), the rest as ``other``."""
+    counts = {pipe: sum(opcodes[op] for op in ops) for pipe, ops in PIPES.items()}
+    counts["other"] = sum(opcodes.values()) - sum(counts.values())
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernel", choices=["gluon", "triton"], default="gluon", help="which stage 1 (default gluon)")
@@ -54,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--by-line", type=int, default=0, metavar="N", help="also list the N heaviest source lines")
     parser.add_argument("--by-function", type=int, default=0, metavar="N", help="also list the N heaviest functions")
     parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (default: LAUNCH's)")
+    parser.add_argument("--by-pipe", action="store_true", help="also count the loop's instructions per issuing pipe")
     args = parser.parse_args(argv)
     if args.v_dither and args.kernel == "gluon":
         parser.error("the Gluon stage 1 has no dithered-V variant (--kernel triton)")
@@ -79,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
             f"({result.loop_opcodes['STL']} in the loop)"
         )
         print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))
+        if args.by_pipe:
+            print("  loop by pipe: " + ", ".join(f"{pipe} {n}" for pipe, n in by_pipe(result.loop_opcodes).items()))
         for (path, line), n in result.loop_lines.most_common(args.by_line):
             text = Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
             print(f"  {n:5d}  {Path(path).name}:{line}  {text[:90]}")
