@@ -65,3 +65,24 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     assert gluon_decode.supports(**shape, rows=2**29 - 1)
     assert not gluon_decode.supports(**shape, rows=2**29)
     assert not gluon_decode.supports(**{**shape, "v_dither": True}, rows=1)
+
+
+@pytest.mark.parametrize("name", ["philox7", "nophilox", "blockradius", "both"])
+def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
+    """bench/whatif_stage1.py edits the kernel's text; each edit must still find its anchor, or the what-if
+    timings in docs/KERNELS.md could not be reproduced."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "whatif_stage1.py"
+    spec = importlib.util.spec_from_file_location("whatif_stage1", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = module.SOURCE.read_text()
+    edited = module.variant(name, source)
+    assert edited != source
+    if name in ("philox7", "both"):
+        assert "range(7)" in edited and "range(10)" not in edited
+    if name in ("blockradius", "both"):
+        assert "g_of(radius, True)" not in edited
+    compile(edited, f"whatif_{name}", "exec")
