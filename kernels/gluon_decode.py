@@ -371,6 +371,8 @@ def _exp2(x):
     return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
+# The accumulator's registers alternate between the thread's two heads (its MMA columns 2 t and 2 t + 1), so
+# inputs $32 and $33 are the alphas of both: the branch skips only where neither head's max moved.
 _RESCALE_ASM = gl.constexpr(
     "{\n.reg .pred p;\nsetp.eq.f32 p, $32, 0f3F800000;\nsetp.eq.and.f32 p, $33, 0f3F800000, p;\n"
     "@p bra SKIP${:uid};\n" + "\n".join(f"mul.f32 ${i}, ${i}, ${32 + i};" for i in range(16)) + "\nSKIP${:uid}:\n}"
@@ -491,8 +493,8 @@ def _relabel_v(x):
 @gluon.jit
 def _slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
     """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing).
-    32-bit (``gluon_supports`` asks for fewer than 2**31 rows); the copies widen the byte offsets where the
-    pool's codes reach 2**31 bytes (``OFFSETS_64``)."""
+    32-bit (``supports`` asks for fewer than 2**29 rows); the copies widen the byte offsets where the pool's
+    codes reach 2**31 bytes (``OFFSETS_64``)."""
     slot = gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32))
     return slot.to(gl.int32) * NUM_KV_HEADS + kv_head
 
