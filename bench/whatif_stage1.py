@@ -2,15 +2,19 @@
 
 Each variant edits ``kernels/gluon_decode.py``'s text and writes the result to ``--output``; time it against
 the real kernel in one run with ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-None of them computes what THEORY.md asks (their dithers or certificates differ from the reference), so
-they never run outside a benchmark:
+The first four do not compute what THEORY.md asks (their dithers or certificates differ from the reference),
+so they never run outside a benchmark:
 
 * ``philox7``: Philox4x32 with 7 rounds instead of 10 (a cheaper stream from the same family);
 * ``nophilox``: no Philox at all, each dither word one multiply or xor of the counters (no statistical
   value: the floor of what any cheaper dither stream could buy);
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
-* ``both``: ``philox7`` and ``blockradius``.
+* ``both``: ``philox7`` and ``blockradius``;
+* ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
+  read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
+  certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
+  ``kernels/gluon_decode.py`` on the GPU machine and run ``bench_kernels.py --sweep gluon`` for that.
 
 An edit whose anchor text is missing (the kernel changed since) stops with an error naming it, rather than
 writing a file that would time something else.
@@ -66,6 +70,25 @@ _BLOCKRADIUS = [
 ]
 
 
+_QSHARED = [
+    (
+        "    part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))\n"
+        "    part = mma_v2(dither_op, q_ops[g], part)\n",
+        "    q_op = q_ops[g].load(_OP_B)\n"
+        "    part = mma_v2(code_op, q_op, offset[:, None, :].broadcast_to(4, 32, 8))\n"
+        "    part = mma_v2(dither_op, q_op, part)\n",
+    ),
+    (
+        "    q_ops = (g0[0], g1[0], g2[0], g3[0])\n",
+        "    q_ops = (\n"
+        + "".join(
+            f"        gl.allocate_shared_memory(gl.float16, [4, 32, 8], _ROW_MAJOR, g{g}[0]),\n" for g in range(4)
+        )
+        + "    )\n",
+    ),
+]
+
+
 def _replace(text: str, old: str, new: str) -> str:
     if text.count(old) != 1:
         raise SystemExit(f"whatif_stage1: kernels/gluon_decode.py changed; this anchor is not there once:\n{old}")
@@ -85,10 +108,13 @@ def variant(name: str, text: str) -> str:
     if name in ("blockradius", "both"):
         for old, new in _BLOCKRADIUS:
             text = _replace(text, old, new)
+    if name == "qshared":
+        for old, new in _QSHARED:
+            text = _replace(text, old, new)
     return text
 
 
-VARIANTS = ("philox7", "nophilox", "blockradius", "both")
+VARIANTS = ("philox7", "nophilox", "blockradius", "both", "qshared")
 
 
 def main() -> None:
