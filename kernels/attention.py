@@ -51,6 +51,15 @@ class LaunchConfig:
     # 0.329 / 0.251, 128 (4 per SM, heavy spills) 0.390 / 0.284.
     gluon_maxnreg: int | None = 168
     gluon_maxnreg_nocert: int | None = 168
+    # The tiled extend kernel (triton_extend) for calls without the certificate. Off by default until it has
+    # run on a GPU: it is verified in Triton's interpreter (tests/test_kernels_contract.py) and compiles for
+    # sm_90 with Triton 3.6 and 3.9, but tests/test_kernels_gpu.py's tiled-extend test and
+    # bench/bench_extend.py have not run yet (session 8 had no device time left). Then: rows of its dots
+    # (new tokens times the padded query heads of one KV head), keys per tile, warps; not yet swept.
+    extend_tiled: bool = False
+    extend_rows: int = 128
+    extend_block_n: int = 64
+    extend_num_warps: int = 8
 
     def programs_per_sm(self) -> int:
         """Triton stage-1 programs an SM holds, which the default splits fill (default_num_kv_splits): 65536
@@ -527,7 +536,10 @@ def extend_attention(
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` lists sequence ``b``'s slots, prefix first, new tokens
     last. New token ``i`` of a sequence with ``n`` new and ``S`` total tokens sees the first
     ``S - n + i + 1`` slots. Each query token is one row of the decode kernels (its own length, its
-    own tail multiplier), so it reads its prefix in full: simple and exact, not a tiled prefill.
+    own tail multiplier), so it reads its prefix in full. With ``LAUNCH.extend_tiled`` (off until it has run
+    on a GPU), calls without the certificate that the tiled kernel covers (8-bit dithers, V rounded to
+    nearest, no outlier channels; ``triton_extend``) read each K/V tile once per block of new tokens
+    instead: the same values, far fewer reads for long prompts.
     """
     _check_common(q, pool, layer, delta_step, certificate)
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
@@ -542,6 +554,18 @@ def extend_attention(
             raise ValueError(f"qo_indptr[-1] = {int(qo_indptr[-1])} must equal the number of query rows {q.shape[0]}")
         if bool(((kv_indptr[1:] - kv_indptr[:-1]) < (qo_indptr[1:] - qo_indptr[:-1])).any()):
             raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
+    tiled = (
+        LAUNCH.extend_tiled
+        and not certificate
+        and select_path(q.device) != "reference"
+        and pool.dither_bits == 8
+        and not pool.v_dither
+        and pool.num_outliers == 0
+    )
+    if tiled:
+        return _run_extend_tiled(
+            q, pool, layer, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale, num_kv_splits=num_kv_splits, out=out
+        )
     token = torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
     sequence = torch.searchsorted(qo_indptr.to(torch.int64)[1:], token, right=True)
     qo = qo_indptr.to(torch.int64)
@@ -564,6 +588,109 @@ def extend_attention(
         out=out,
         certificate=certificate,
     )
+
+
+def _run_extend_tiled(
+    q: torch.Tensor,
+    pool: KVPool,
+    layer: int,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    sm_scale: float | None,
+    num_kv_splits: int | None,
+    out: torch.Tensor | None,
+) -> AttentionOutput:
+    """``triton_extend._extend_stage1`` over blocks of new tokens, then decode's stage 2 with the query tokens
+    as its rows. The block table is built on the device from shapes (no host sync): a grid of
+    ``ceil(T / BLOCK_M) + B`` blocks, enough for any split of ``T`` tokens into ``B`` sequences."""
+    from witcert.kernels import triton_extend
+
+    tokens, num_q_heads, head_dim = q.shape
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    out = _prepare_out(out, tokens, num_q_heads, head_dim, q.device)
+    device = q.device
+    kv_group = num_q_heads // pool.kv_heads
+    block_h = _pow2(kv_group)
+    block_m = max(1, LAUNCH.extend_rows // block_h)
+    sequences = qo_indptr.numel() - 1
+    qo = qo_indptr.to(torch.int64)
+    blocks = (torch.clamp(qo[1:] - qo[:-1], min=0) + block_m - 1) // block_m
+    ends = torch.cumsum(blocks, 0)
+    grid_blocks = -(-tokens // block_m) + sequences
+    index = torch.arange(grid_blocks, device=device)
+    block_sequence = torch.searchsorted(ends, index, right=True)  # == sequences past the last block
+    first_block = (ends - blocks)[torch.clamp(block_sequence, max=max(sequences - 1, 0))]
+    block_first = (index - first_block) * block_m
+    if num_kv_splits is None:
+        splits = default_num_kv_splits(grid_blocks * pool.kv_heads, device, LAUNCH.programs_per_sm())
+    else:
+        splits = num_kv_splits
+    if not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {_MAX_SPLITS}], got {splits}")
+    # NaN until written: a row no block covers (a qo_indptr that does not end at T) comes out NaN.
+    part_out = torch.empty(tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.full((tokens, num_q_heads, splits), math.nan, dtype=torch.float32, device=device)
+    lse = torch.empty(tokens, num_q_heads, dtype=torch.float32, device=device)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    interpreted = device.type != "cuda"
+    if tokens and sequences:
+        triton_extend._extend_stage1[(grid_blocks, pool.kv_heads, splits)](
+            q,
+            pool.codes[layer, 0],
+            pool.scales[layer, 0],
+            pool.codes[layer, 1],
+            pool.scales[layer, 1],
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            block_sequence.to(torch.int32),
+            block_first.to(torch.int32),
+            part_out,
+            part_lse,
+            sequences,
+            pool.num_slots,
+            kv_indices.numel(),
+            q.stride(0),
+            q.stride(1),
+            sm_scale,
+            pool.seed,
+            layer,
+            NUM_KV_HEADS=pool.kv_heads,
+            KV_GROUP=kv_group,
+            BLOCK_H=block_h,
+            BLOCK_M=block_m,
+            BLOCK_N=LAUNCH.extend_block_n,
+            HEAD_DIM=head_dim,
+            GROUP_SIZE=pool.group_size,
+            OFFSETS_64=pool.codes[layer, 0].numel() >= 2**31,
+            NUM_SPLITS=splits,
+            INTERPRETED=interpreted,
+            num_warps=LAUNCH.extend_num_warps,
+        )
+        kernels_module()._decode_stage2[(tokens, num_q_heads)](
+            part_out,
+            part_lse,
+            *(part_lse,) * (_STATS - 1),
+            out,
+            lse,
+            *(lse,) * _STATS,
+            out.stride(0),
+            out.stride(1),
+            reference.CERTIFICATE_EVAL_SLACK,
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=max(2, _pow2(splits)),
+            CERTIFICATE=False,
+        )
+    else:
+        # No sequence to cover the tokens: a malformed qo_indptr (validation off) makes NaN, as in decode.
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+    path: Path = "triton-gpu" if device.type == "cuda" else "triton-interpreter"
+    return AttentionOutput(out, lse, None, None, path)
 
 
 def decode_attention_fp16(

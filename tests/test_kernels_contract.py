@@ -32,7 +32,7 @@ from witcert.kernels import (  # noqa: E402
     reference,
     select_path,
 )
-from witcert.kernels.attention import wave_splits  # noqa: E402
+from witcert.kernels.attention import LAUNCH, wave_splits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
@@ -356,6 +356,50 @@ def test_extend_over_a_quantized_prefix_is_causal_and_matches_reference():
         expected = oracle(q[row], pool, 1, visible, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5
         torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
+
+
+@pytest.fixture
+def tiled_extend():
+    """Extend without the certificate on the tiled kernel (``LAUNCH.extend_tiled``, off by default)."""
+    saved, LAUNCH.extend_tiled = LAUNCH.extend_tiled, True
+    yield
+    LAUNCH.extend_tiled = saved
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "splits"), [(14, 2, None), (14, 2, 3), (2, 2, 2)])
+def test_tiled_extend_without_certificate_matches_reference(tiled_extend, q_heads, kv_heads, splits):
+    """The tiled kernel (one K/V read per block of new tokens): a sequence of several blocks, one without a
+    prefix, one with a single new token, GQA 7:1 and MHA; every row against the reference."""
+    prefix, new = [20, 0, 70], [3, 20, 1]
+    pool, kv_indptr, slots = filled_pool([p + n for p, n in zip(prefix, new, strict=True)], kv_heads=kv_heads,
+                                         v_dither=False)  # fmt: skip
+    qo_indptr = torch.tensor([0, 3, 23, 24], dtype=torch.int32)
+    q = _query(24, q_heads, seed=3)
+    result = extend_attention(
+        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, num_kv_splits=splits
+    )
+    assert result.path == "triton-interpreter" and result.certificate is None
+    for row in range(24):
+        sequence = 0 if row < 3 else (1 if row < 23 else 2)
+        position = row - int(qo_indptr[sequence])
+        start = int(kv_indptr[sequence])
+        visible = slots[start : start + prefix[sequence] + position + 1]
+        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+        assert relative_error(result.out[row], expected.out) < 1e-5, row
+        torch.testing.assert_close(result.lse[row], expected.lse, rtol=1e-6, atol=1e-5)
+
+
+def test_tiled_extend_poisons_a_malformed_sequence_instead_of_reading_it(tiled_extend):
+    """More new tokens than slots (validation off): that sequence's rows are NaN, the others are right."""
+    pool, kv_indptr, slots = filled_pool([5, 8], kv_heads=2, v_dither=False)
+    qo_indptr = torch.tensor([0, 7, 9], dtype=torch.int32)  # sequence 0: 7 new tokens over 5 slots
+    q = _query(9, 14)
+    result = extend_attention(
+        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, validate=False
+    )
+    assert torch.isnan(result.out[:7]).all()
+    expected = oracle(q[8], pool, 1, slots[5:13], delta=DELTA)
+    assert relative_error(result.out[8], expected.out) < 1e-5
 
 
 # --- bad input -----------------------------------------------------------------------------------------

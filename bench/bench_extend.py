@@ -1,0 +1,106 @@
+"""Extend (prefill over a quantized prefix) on one GPU: the tiled kernel against the per-row path and fp16 SDPA.
+
+Method: Qwen2.5-7B shape (28 query heads, 4 KV heads, head_dim 128), one layer, one sequence of ``prefix``
+cached tokens and ``new`` new ones, K dithered and V rounded to nearest, no certificate (what the SGLang
+backend's extend calls). Each variant is timed in the same process as the median of CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``):
+
+* ``sdpa_fp16``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous fp16 K/V with the
+  bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), PyTorch's choice of backend;
+* ``tiled``: ``extend_attention`` with the tiled kernel (``LAUNCH.extend_tiled = True``);
+* ``per_row``: the same call with ``LAUNCH.extend_tiled = False`` (the default until the tiled kernel has
+  run on a GPU): one decode row per new token.
+
+Writes a JSON results file; prints one line per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention.bias import causal_lower_right
+
+from witcert.kernels import KVPool, extend_attention
+from witcert.kernels.attention import LAUNCH
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
+
+
+def bench_shape(prefix: int, new: int, per_row: bool) -> dict:
+    total = prefix + new
+    generator = torch.Generator(device="cuda").manual_seed(total)
+    pool = KVPool(total, 1, KV_HEADS, HEAD_DIM, device="cuda")
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    v = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    pool.write(0, torch.arange(total, device="cuda"), k, v, validate=False)
+    q = torch.randn(new, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    qo_indptr = torch.tensor([0, new], device="cuda", dtype=torch.int32)
+    kv_indptr = torch.tensor([0, total], device="cuda", dtype=torch.int32)
+    slots = torch.arange(total, device="cuda", dtype=torch.int32)
+    out = torch.empty(new, Q_HEADS, HEAD_DIM, device="cuda")
+    q_sdpa = q.transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
+    k_sdpa, v_sdpa = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    mask = causal_lower_right(new, total)
+    row: dict = {"prefix": prefix, "new": new}
+
+    def extend(tiled: bool):
+        def run() -> None:
+            saved, LAUNCH.extend_tiled = LAUNCH.extend_tiled, tiled
+            try:
+                extend_attention(q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=False, out=out)
+            finally:
+                LAUNCH.extend_tiled = saved
+
+        return run
+
+    def sdpa() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, attn_mask=mask, enable_gqa=True)
+
+    variants = [("sdpa_fp16", sdpa), ("tiled", extend(True))] + ([("per_row", extend(False))] if per_row else [])
+    for name, fn in variants:
+        try:
+            row[name] = {"ms": float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))}
+        except Exception as error:  # a backend refusing a shape is a result to report
+            row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["0:4096", "16384:512", "32768:128"],
+                        help="PREFIX:NEW pairs (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--per-row-up-to", type=int, default=2**26,
+                        help="time the per-row path only where new * (prefix + new) is at most this")  # fmt: skip
+    parser.add_argument("--output", type=Path, default=Path("bench/results/extend_h200.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    results = {
+        "method": __doc__,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "launch": dict(LAUNCH.__dict__),
+        "rows": [],
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes:
+        prefix, new = (int(x) for x in shape.split(":"))
+        row = bench_shape(prefix, new, per_row=new * (prefix + new) <= args.per_row_up_to)
+        results["rows"].append(row)
+        print(f"prefix={prefix} new={new}: " + " ".join(f"{k}={v.get('ms', float('nan')):.4f}ms" for k, v in row.items()
+                                                      if isinstance(v, dict)), flush=True)  # fmt: skip
+        args.output.write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Triton kernel: tiled extend (prefill over a quantized prefix), no certificate.
+
+Each program takes ``BLOCK_M`` new tokens of one sequence with the ``KV_GROUP`` query heads of one KV
+head, ``BLOCK_M * BLOCK_H`` rows of the dots, and one split of the keys they see (causal: new token ``i``
+of a sequence with prefix ``P`` sees keys ``0 .. P + i``). A K/V tile is dequantized once for all those
+rows, where the per-row path (``_decode_stage1``, one query token per row) reads the whole prefix again for
+every new token. The operands are the decode kernels' (``triton_kernels``), exact in fp16 or bf16 with fp32
+accumulation, so the output matches the float32 reference as decode's does. Splits merge in
+``_decode_stage2``, the query tokens being its rows.
+
+Covered: 8-bit dithers, V rounded to nearest, no outlier channels (``attention.extend_attention`` sends
+everything else, and every call with a certificate, to the per-row path). Imported lazily, like
+``triton_kernels``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from witcert.kernels.triton_kernels import (
+    _FP32_INF,
+    _P_SCALE,
+    _code_operand,
+    _dot16,
+    _neg_xi8,
+    _neg_xi8_fp16,
+    _scaled_fp16_pair,
+)
+
+
+@triton.jit
+def _extend_stage1(
+    Q,
+    KCodes,
+    KScales,
+    VCodes,
+    VScales,
+    QoIndptr,
+    KvIndptr,
+    KvIndices,
+    BlockSequence,
+    BlockFirst,
+    PartOut,
+    PartLse,
+    num_sequences,
+    num_slots,
+    num_kv_indices,
+    stride_qt,
+    stride_qh,
+    sm_scale,
+    seed,
+    layer,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One (query block, KV head, split): dequantize each K/V tile once for the block's rows, online softmax."""
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    sequence = tl.load(BlockSequence + block)
+    if sequence >= num_sequences:  # the grid is sized from shapes; its last programs may have no block
+        return
+    first = tl.load(BlockFirst + block)
+    qo_start = tl.load(QoIndptr + sequence)
+    new_tokens = tl.load(QoIndptr + sequence + 1) - qo_start
+    kv_start = tl.load(KvIndptr + sequence)
+    kv_len = tl.load(KvIndptr + sequence + 1) - kv_start
+    prefix = kv_len - new_tokens
+    # A malformed sequence (more new tokens than slots, indices past the end) is poisoned, never read.
+    sequence_ok = (new_tokens >= 0) & (prefix >= 0) & (kv_start >= 0) & (kv_start + kv_len <= num_kv_indices)
+    num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
+    ROWS: tl.constexpr = BLOCK_M * BLOCK_H
+    q_dtype: tl.constexpr = Q.dtype.element_ty
+
+    rows = tl.arange(0, ROWS)
+    token = first + rows // BLOCK_H  # new-token index within the sequence
+    local_head = rows % BLOCK_H
+    row_ok = (token < new_tokens) & (local_head < KV_GROUP)
+    head = kv_head * KV_GROUP + local_head
+    # Keys visible to each row (causal), and to the block's last row: the range this program splits.
+    row_limit = prefix + token + 1
+    limit = tl.where(sequence_ok, prefix + tl.minimum(first + BLOCK_M, new_tokens), 0)
+    split_len = tl.cdiv(tl.cdiv(limit, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, limit)
+
+    channels = tl.arange(0, HEAD_DIM)
+    groups = tl.arange(0, num_groups)
+    q_rows = Q + (qo_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+    running_max = tl.full((ROWS,), -_FP32_INF, tl.float32)
+    running_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    slots_ok = sequence_ok
+    head_word = kv_head.to(tl.uint32)
+    group_calls: tl.constexpr = GROUP_SIZE // 16  # 8-bit dithers: 16 channels per Philox call
+    for start in range(lo, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        token_ok = offs < hi
+        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64 if OFFSETS_64 else tl.int32)
+        slot_in_range = (slots >= 0) & (slots < num_slots)
+        slots_ok = slots_ok & (tl.sum((token_ok & ~slot_in_range).to(tl.int32), axis=0) == 0)
+        token_ok = token_ok & slot_in_range
+        slots = tl.where(token_ok, slots, 0)
+        base = slots * NUM_KV_HEADS + kv_head
+        logits = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
+        for g in tl.static_range(num_groups):
+            group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+            codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
+            if q_dtype == tl.float16 and not INTERPRETED:
+                neg_xi_g = _neg_xi8_fp16(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
+            else:
+                neg_xi_g = _neg_xi8(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
+            q_g = tl.load(q_rows + group_channels[None, :], mask=row_ok[:, None], other=0.0)
+            part = _dot16(
+                q_g,
+                tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)),
+                tl.zeros((ROWS, BLOCK_N), tl.float32),
+                INTERPRETED,
+            )
+            part = _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
+            scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
+            logits += part * scale_g[None, :]
+        visible = token_ok[None, :] & (offs[None, :] < row_limit[:, None])
+        logits = tl.where(visible, logits * sm_scale, -_FP32_INF)
+
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        # A row that sees no key of this tile yet keeps the max at -inf: shift by 0.
+        shift = tl.where(new_max == -_FP32_INF, 0.0, new_max)
+        alpha = tl.exp(running_max - shift)
+        weights = tl.exp(logits - shift[:, None])
+        running_sum = running_sum * alpha + tl.sum(weights, axis=1)
+
+        # V rounded to nearest: s * code = v_hi + v_lo exactly, 2**14 p = p_hi + p_mid (decode's output path).
+        v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
+        v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :])
+        channel_scale = tl.reshape(
+            tl.broadcast_to(v_scales[:, :, None], (BLOCK_N, num_groups, GROUP_SIZE)), (BLOCK_N, HEAD_DIM)
+        )
+        v_hi, v_lo = _scaled_fp16_pair(_code_operand(v_codes, tl.float16, INTERPRETED), channel_scale, INTERPRETED)
+        scaled = weights * _P_SCALE
+        p_hi = scaled.to(tl.float16)
+        p_mid = (scaled - p_hi.to(tl.float32)).to(tl.float16)
+        acc = acc * alpha[:, None]
+        acc = _dot16(p_hi, v_hi, acc, INTERPRETED)
+        acc = _dot16(p_hi, v_lo, acc, INTERPRETED)
+        acc = _dot16(p_mid, v_hi, acc, INTERPRETED)
+        running_max = new_max
+
+    safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
+    poison = tl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
+    num_q_heads = NUM_KV_HEADS * KV_GROUP
+    part_row = ((qo_start + token) * num_q_heads + head) * NUM_SPLITS + split
+    out = acc * (1.0 / _P_SCALE) / safe_sum[:, None] + poison
+    tl.store(PartOut + part_row[:, None] * HEAD_DIM + channels[None, :], out, mask=row_ok[:, None])
+    lse = tl.where(running_sum == 0, -_FP32_INF, running_max + tl.log(safe_sum)) + poison
+    tl.store(PartLse + part_row, lse, mask=row_ok)
