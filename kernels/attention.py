@@ -248,7 +248,7 @@ def _run_triton(
     # Per split: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
     part_stats = tuple(part[1:_STATS]) if certificate else (part_lse,) * (_STATS - 1)
     lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
-    stats = torch.empty(_STATS if certificate else 1, rows, num_q_heads, dtype=torch.float32, device=device)
+    stats = torch.empty(_STATS, rows, num_q_heads, dtype=torch.float32, device=device) if certificate else None
     q = q if q.stride(2) == 1 else q.contiguous()
     outliers = pool.num_outliers > 0
     # 64-bit addresses only where a side's codes reach 2**31 bytes (32-bit ones take fewer instructions).
@@ -330,26 +330,41 @@ def _run_triton(
             num_stages=LAUNCH.num_stages,
             **({"maxnreg": LAUNCH.maxnreg} if LAUNCH.maxnreg and device.type == "cuda" else {}),
         )
-    kernels._decode_stage2[(rows, num_q_heads)](
+    _merge_splits(part_out, part_lse, part_stats if certificate else None, out, lse, stats)
+    path: Path = "gluon-gpu" if use_gluon else "triton-gpu" if device.type == "cuda" else "triton-interpreter"
+    if not certificate:
+        return AttentionOutput(out, lse, None, None, path)
+    return _with_certificate(out, lse, stats, path)
+
+
+def _merge_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    part_stats: tuple[torch.Tensor, ...] | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    stats: torch.Tensor | None,
+) -> None:
+    """Stage 2: merge the ``[rows, H_q, splits]`` partials into ``out`` and ``lse`` with LSE weights, and
+    with ``part_stats`` (per split) evaluate the certificate into ``stats``; without, no certificate."""
+    rows, num_q_heads, splits, head_dim = part_out.shape
+    certificate = part_stats is not None
+    kernels_module()._decode_stage2[(rows, num_q_heads)](
         part_out,
         part_lse,
-        *part_stats,
+        *(part_stats if certificate else (part_lse,) * (_STATS - 1)),
         out,
         lse,
-        *(stats if certificate else (stats[0],) * _STATS),
+        *(stats if certificate else (lse,) * _STATS),
         out.stride(0),
         out.stride(1),
         reference.CERTIFICATE_EVAL_SLACK,
         NUM_Q_HEADS=num_q_heads,
         HEAD_DIM=head_dim,
-        NUM_SPLITS=num_kv_splits,
-        SPLITS_PAD=max(2, _pow2(num_kv_splits)),
+        NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, _pow2(splits)),
         CERTIFICATE=certificate,
     )
-    path: Path = "gluon-gpu" if use_gluon else "triton-gpu" if device.type == "cuda" else "triton-interpreter"
-    if not certificate:
-        return AttentionOutput(out, lse, None, None, path)
-    return _with_certificate(out, lse, stats, path)
 
 
 def _run_reference(
@@ -669,22 +684,7 @@ def _run_extend_tiled(
             INTERPRETED=interpreted,
             num_warps=LAUNCH.extend_num_warps,
         )
-        kernels_module()._decode_stage2[(tokens, num_q_heads)](
-            part_out,
-            part_lse,
-            *(part_lse,) * (_STATS - 1),
-            out,
-            lse,
-            *(lse,) * _STATS,
-            out.stride(0),
-            out.stride(1),
-            reference.CERTIFICATE_EVAL_SLACK,
-            NUM_Q_HEADS=num_q_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=splits,
-            SPLITS_PAD=max(2, _pow2(splits)),
-            CERTIFICATE=False,
-        )
+        _merge_splits(part_out, part_lse, None, out, lse, None)
     else:
         # No sequence to cover the tokens: a malformed qo_indptr (validation off) makes NaN, as in decode.
         out.fill_(math.nan)

@@ -70,13 +70,19 @@ def compile_cubin(
         if LAUNCH.maxnreg:
             options["maxnreg"] = LAUNCH.maxnreg
     scalars = dict(_SCALARS, seed_lo="i32", seed_hi="i32")
-    pointers = dict(_POINTERS, Q=q_dtype)
+    return _sm90_cubin(kernel, source_type, dict(_POINTERS, Q=q_dtype), scalars, constants, options)
+
+
+def _sm90_cubin(
+    kernel: object, source_type: type, pointers: dict, scalars: dict, constants: dict, options: dict
+) -> bytes:
+    """Compile ``kernel`` for sm_90 with these argument types (pointers and strides 16-byte aligned)."""
     signature = {
         name: "constexpr" if name in constants else ("*" + pointers[name] if name in pointers else scalars[name])
         for name in kernel.arg_names
     }
     index = kernel.arg_names.index
-    aligned = {(index(k),): [["tt.divisibility", 16]] for k in signature if k in _POINTERS or k.startswith("stride")}
+    aligned = {(index(k),): [["tt.divisibility", 16]] for k in signature if k in pointers or k.startswith("stride")}
     source = source_type(
         fn=kernel, signature=signature, constexprs={(index(k),): v for k, v in constants.items()}, attrs=aligned
     )
@@ -102,17 +108,7 @@ def _compile_extend(q_dtype: str) -> bytes:
         BLOCK_M=LAUNCH.extend_rows // block_h, BLOCK_N=LAUNCH.extend_block_n, HEAD_DIM=_SHAPE["HEAD_DIM"],
         GROUP_SIZE=_SHAPE["GROUP_SIZE"], OFFSETS_64=False, NUM_SPLITS=4, INTERPRETED=False,
     )  # fmt: skip
-    signature = {
-        name: "constexpr" if name in constants else ("*" + pointers[name] if name in pointers else scalars[name])
-        for name in kernel.arg_names
-    }
-    index = kernel.arg_names.index
-    aligned = {(index(k),): [["tt.divisibility", 16]] for k in signature if k in pointers or k.startswith("stride")}
-    source = ASTSource(
-        fn=kernel, signature=signature, constexprs={(index(k),): v for k, v in constants.items()}, attrs=aligned
-    )
-    options = {"num_warps": LAUNCH.extend_num_warps}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    return _sm90_cubin(kernel, ASTSource, pointers, scalars, constants, {"num_warps": LAUNCH.extend_num_warps})
 
 
 def _tool(name: str, *args: str, cubin: bytes) -> str:

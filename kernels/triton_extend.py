@@ -18,15 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from witcert.kernels.triton_kernels import (
-    _FP32_INF,
-    _P_SCALE,
-    _code_operand,
-    _dot16,
-    _neg_xi8,
-    _neg_xi8_fp16,
-    _scaled_fp16_pair,
-)
+from witcert.kernels.triton_kernels import _FP32_INF, _P_SCALE, neg_xi_group, pv_nearest, qk_group, tile_slots
 
 
 @triton.jit
@@ -104,30 +96,19 @@ def _extend_stage1(
     group_calls: tl.constexpr = GROUP_SIZE // 16  # 8-bit dithers: 16 channels per Philox call
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        token_ok = offs < hi
-        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64 if OFFSETS_64 else tl.int32)
-        slot_in_range = (slots >= 0) & (slots < num_slots)
-        slots_ok = slots_ok & (tl.sum((token_ok & ~slot_in_range).to(tl.int32), axis=0) == 0)
-        token_ok = token_ok & slot_in_range
-        slots = tl.where(token_ok, slots, 0)
+        slots, token_ok, in_range = tile_slots(KvIndices, kv_start, offs, hi, num_slots, OFFSETS_64)
+        slots_ok = slots_ok & in_range
         base = slots * NUM_KV_HEADS + kv_head
         logits = tl.zeros((ROWS, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
             codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
-            if q_dtype == tl.float16 and not INTERPRETED:
-                neg_xi_g = _neg_xi8_fp16(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
-            else:
-                neg_xi_g = _neg_xi8(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
-            q_g = tl.load(q_rows + group_channels[None, :], mask=row_ok[:, None], other=0.0)
-            part = _dot16(
-                q_g,
-                tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)),
-                tl.zeros((ROWS, BLOCK_N), tl.float32),
-                INTERPRETED,
+            neg_xi_g = neg_xi_group(
+                seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls, q_dtype, INTERPRETED
             )
-            part = _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
+            q_g = tl.load(q_rows + group_channels[None, :], mask=row_ok[:, None], other=0.0)
+            part = qk_group(q_g, codes_g, neg_xi_g, ROWS, BLOCK_N, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
         visible = token_ok[None, :] & (offs[None, :] < row_limit[:, None])
@@ -140,20 +121,9 @@ def _extend_stage1(
         weights = tl.exp(logits - shift[:, None])
         running_sum = running_sum * alpha + tl.sum(weights, axis=1)
 
-        # V rounded to nearest: s * code = v_hi + v_lo exactly, 2**14 p = p_hi + p_mid (decode's output path).
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
         v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :])
-        channel_scale = tl.reshape(
-            tl.broadcast_to(v_scales[:, :, None], (BLOCK_N, num_groups, GROUP_SIZE)), (BLOCK_N, HEAD_DIM)
-        )
-        v_hi, v_lo = _scaled_fp16_pair(_code_operand(v_codes, tl.float16, INTERPRETED), channel_scale, INTERPRETED)
-        scaled = weights * _P_SCALE
-        p_hi = scaled.to(tl.float16)
-        p_mid = (scaled - p_hi.to(tl.float32)).to(tl.float16)
-        acc = acc * alpha[:, None]
-        acc = _dot16(p_hi, v_hi, acc, INTERPRETED)
-        acc = _dot16(p_hi, v_lo, acc, INTERPRETED)
-        acc = _dot16(p_mid, v_hi, acc, INTERPRETED)
+        acc = pv_nearest(acc, weights, alpha, v_codes, v_scales, BLOCK_N, num_groups, GROUP_SIZE, HEAD_DIM, INTERPRETED)
         running_max = new_max
 
     safe_sum = tl.where(running_sum > 0, running_sum, 1.0)

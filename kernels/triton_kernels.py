@@ -462,6 +462,70 @@ def _split_bf16(w):
 
 
 @triton.jit
+def tile_slots(KvIndices, kv_start, offs, hi, num_slots, OFFSETS_64: tl.constexpr):
+    """A tile's slots ``kv_indices[kv_start + offs]``, as ``(slots, token_ok, in_range)``.
+
+    Tokens at or past ``hi`` and out-of-range slots read slot 0 and get ``token_ok`` false, so the K/V loads
+    that follow need no mask (codes and scales are finite); ``in_range`` is false when some token before
+    ``hi`` has an out-of-range slot, for the caller to poison its rows. 32-bit element offsets where the
+    pool is small enough (fewer address instructions).
+    """
+    token_ok = offs < hi
+    slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64 if OFFSETS_64 else tl.int32)
+    slot_in_range = (slots >= 0) & (slots < num_slots)
+    in_range = tl.sum((token_ok & ~slot_in_range).to(tl.int32), axis=0) == 0
+    token_ok = token_ok & slot_in_range
+    return tl.where(token_ok, slots, 0), token_ok, in_range
+
+
+@triton.jit
+def neg_xi_group(
+    seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr, q_dtype: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """``-xi`` of one channel group's 8-bit dithers for ``N`` slots in the queries' dtype (exact in fp16 and
+    bf16): built by bits for compiled fp16 queries (``_neg_xi8_fp16``), from float32 otherwise."""
+    if q_dtype == tl.float16 and not INTERPRETED:
+        neg_xi = _neg_xi8_fp16(seed, slots, call0, layer, head_word, N, NCALLS)
+    else:
+        neg_xi = _neg_xi8(seed, slots, call0, layer, head_word, N, NCALLS).to(q_dtype)
+    return neg_xi
+
+
+@triton.jit
+def qk_group(q_g, codes_g, neg_xi_g, ROWS: tl.constexpr, N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``q_g . code_g + q_g . (-xi_g)`` for ``ROWS`` query rows and ``N`` tokens: two dots on exact operands,
+    fp32 accumulation; the group scale is the caller's."""
+    q_dtype: tl.constexpr = q_g.dtype
+    part = _dot16(
+        q_g, tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)), tl.zeros((ROWS, N), tl.float32), INTERPRETED
+    )
+    return _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
+
+
+@triton.jit
+def pv_nearest(
+    acc, weights, alpha, v_codes, v_scales, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """``acc * alpha + 2**14 sum_t p_t v_hat_t`` for V rounded to nearest (``v_hat = s * code``).
+
+    The product of an fp16 scale and an int8 code is exactly ``v_hi + v_lo`` in fp16, and ``2**14 p`` (at
+    most 2**14, so no overflow, and far from fp16's underflow for every weight that matters) is ``p_hi +
+    p_mid`` to 22 bits: three fp16 dots, no per-group weights, plain ``[rows, N] x [N, D]``.
+    """
+    channel_scale = tl.reshape(tl.broadcast_to(v_scales[:, :, None], (N, NUM_GROUPS, GROUP_SIZE)), (N, HEAD_DIM))
+    v_hi, v_lo = _scaled_fp16_pair(_code_operand(v_codes, tl.float16, INTERPRETED), channel_scale, INTERPRETED)
+    scaled = weights * _P_SCALE
+    p_hi = scaled.to(tl.float16)
+    p_mid = (scaled - p_hi.to(tl.float32)).to(tl.float16)
+    acc = acc * alpha[:, None]
+    acc = _dot16(p_hi, v_hi, acc, INTERPRETED)
+    acc = _dot16(p_hi, v_lo, acc, INTERPRETED)
+    return _dot16(p_mid, v_hi, acc, INTERPRETED)
+
+
+@triton.jit
 def _decode_stage1(
     Q,
     KCodes,
@@ -568,15 +632,9 @@ def _decode_stage1(
     group_calls: tl.constexpr = GROUP_SIZE // per_call
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        token_ok = offs < hi
-        # 32-bit element offsets where the pool is small enough (fewer address instructions).
-        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64 if OFFSETS_64 else tl.int32)
-        slot_in_range = (slots >= 0) & (slots < num_slots)
-        slots_ok = slots_ok & (tl.sum((token_ok & ~slot_in_range).to(tl.int32), axis=0) == 0)
-        token_ok = token_ok & slot_in_range
-        slots = tl.where(token_ok, slots, 0)
-        # Every slot is in range from here on (a masked-off token reads slot 0), so the K/V loads below
-        # need no mask: such tokens get logit -inf, radius 0 and weight 0, and codes and scales are finite.
+        # A masked-off token reads slot 0 and gets logit -inf, radius 0 and weight 0.
+        slots, token_ok, in_range = tile_slots(KvIndices, kv_start, offs, hi, num_slots, OFFSETS_64)
+        slots_ok = slots_ok & in_range
         base = slots * NUM_KV_HEADS + kv_head
         if HAS_SKIP:
             token_ok = token_ok & (tl.load(Skip + base, mask=token_ok, other=1) == 0)
@@ -590,10 +648,9 @@ def _decode_stage1(
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
             codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
             # The decode kernels run 8-bit dithers only (attention.py sends wider ones to the reference).
-            if q_dtype == tl.float16 and not INTERPRETED:
-                neg_xi_g = _neg_xi8_fp16(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
-            else:
-                neg_xi_g = _neg_xi8(seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls)
+            neg_xi_g = neg_xi_group(
+                seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls, q_dtype, INTERPRETED
+            )
             q_g = tl.load(
                 Q + row * stride_qb + heads[:, None] * stride_qh + group_channels[None, :],
                 mask=head_ok[:, None],
@@ -602,13 +659,7 @@ def _decode_stage1(
             if HAS_OUTLIERS:
                 exact_g = tl.load(OutlierIndex + kv_head * HEAD_DIM + group_channels) >= 0
                 neg_xi_g = tl.where(exact_g[None, :], 0.0, neg_xi_g)
-            part = _dot16(
-                q_g,
-                tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)),
-                tl.zeros((BLOCK_H, BLOCK_N), tl.float32),
-                INTERPRETED,
-            )
-            part = _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
+            part = qk_group(q_g, codes_g, neg_xi_g, BLOCK_H, BLOCK_N, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
             if CERTIFICATE:
@@ -678,21 +729,9 @@ def _decode_stage1(
             acc = _dot16(w_mid, xi_operand, acc, INTERPRETED)
             acc = _dot16(w_lo, xi_operand, acc, INTERPRETED)
         else:
-            # Output: sum_t p_t v_hat_t with v_hat = s * code on the nearest grid. The product of an fp16
-            # scale and an int8 code is exactly v_hi + v_lo in fp16, and 2**14 p (at most 2**14, so no
-            # overflow, and far from fp16's underflow for every weight that matters) is p_hi + p_mid to
-            # 22 bits: three fp16 dots, no per-group weights, plain [H, N] x [N, D].
-            channel_scale = tl.reshape(
-                tl.broadcast_to(v_scales[:, :, None], (BLOCK_N, num_groups, GROUP_SIZE)), (BLOCK_N, HEAD_DIM)
+            acc = pv_nearest(
+                acc, weights, alpha, v_codes, v_scales, BLOCK_N, num_groups, GROUP_SIZE, HEAD_DIM, INTERPRETED
             )
-            v_hi, v_lo = _scaled_fp16_pair(_code_operand(v_codes, tl.float16, INTERPRETED), channel_scale, INTERPRETED)
-            scaled = weights * _P_SCALE
-            p_hi = scaled.to(tl.float16)
-            p_mid = (scaled - p_hi.to(tl.float32)).to(tl.float16)
-            acc = acc * alpha[:, None]
-            acc = _dot16(p_hi, v_hi, acc, INTERPRETED)
-            acc = _dot16(p_hi, v_lo, acc, INTERPRETED)
-            acc = _dot16(p_mid, v_hi, acc, INTERPRETED)
         if HAS_OUTLIERS:
             v_exact = tl.load(
                 VOutliers + base[:, None] * NUM_OUTLIERS + outlier_index[None, :],
