@@ -1,15 +1,16 @@
 """Extend (prefill over a quantized prefix) on one GPU: the tiled kernel against the per-row path and fp16 SDPA.
 
 Method: Qwen2.5-7B shape (28 query heads, 4 KV heads, head_dim 128), one layer, one sequence of ``prefix``
-cached tokens and ``new`` new ones, K dithered and V rounded to nearest, no certificate (what the SGLang
-backend's extend calls). Each variant is timed in the same process as the median of CUDA-graph replays
+cached tokens and ``new`` new ones, K dithered and V rounded to nearest; without the certificate is what the
+SGLang backend's extend calls. Each variant is timed in the same process as the median of CUDA-graph replays
 (``triton.testing.do_bench_cudagraph``):
 
 * ``sdpa_fp16``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous fp16 K/V with the
   bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), PyTorch's choice of backend;
 * ``tiled``: ``extend_attention`` with the tiled kernel (``LAUNCH.extend_tiled = True``);
 * ``per_row``: the same call with ``LAUNCH.extend_tiled = False`` (the default until the tiled kernel has
-  run on a GPU): one decode row per new token.
+  run on a GPU): one decode row per new token;
+* ``tiled_cert``, ``per_row_cert``: the same two with the certificate of every new token.
 
 Writes a JSON results file; prints one line per shape.
 """
@@ -49,11 +50,13 @@ def bench_shape(prefix: int, new: int, per_row: bool) -> dict:
     mask = causal_lower_right(new, total)
     row: dict = {"prefix": prefix, "new": new}
 
-    def extend(tiled: bool):
+    def extend(tiled: bool, certificate: bool = False):
         def run() -> None:
             saved, LAUNCH.extend_tiled = LAUNCH.extend_tiled, tiled
             try:
-                extend_attention(q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=False, out=out)
+                extend_attention(
+                    q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=certificate, out=out
+                )
             finally:
                 LAUNCH.extend_tiled = saved
 
@@ -62,7 +65,9 @@ def bench_shape(prefix: int, new: int, per_row: bool) -> dict:
     def sdpa() -> None:
         torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, attn_mask=mask, enable_gqa=True)
 
-    variants = [("sdpa_fp16", sdpa), ("tiled", extend(True))] + ([("per_row", extend(False))] if per_row else [])
+    variants = [("sdpa_fp16", sdpa), ("tiled", extend(True)), ("tiled_cert", extend(True, True))]
+    if per_row:
+        variants += [("per_row", extend(False)), ("per_row_cert", extend(False, True))]
     for name, fn in variants:
         try:
             row[name] = {"ms": float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))}

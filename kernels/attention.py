@@ -51,7 +51,7 @@ class LaunchConfig:
     # 0.329 / 0.251, 128 (4 per SM, heavy spills) 0.390 / 0.284.
     gluon_maxnreg: int | None = 168
     gluon_maxnreg_nocert: int | None = 168
-    # The tiled extend kernel (triton_extend) for calls without the certificate. Off by default until it has
+    # The tiled extend kernel (triton_extend), with or without the certificate. Off by default until it has
     # run on a GPU: it is verified in Triton's interpreter (tests/test_kernels_contract.py) and compiles for
     # sm_90 with Triton 3.6 and 3.9, but tests/test_kernels_gpu.py's tiled-extend test and
     # bench/bench_extend.py have not run yet (session 8 had no device time left). Then: rows of its dots
@@ -552,9 +552,9 @@ def extend_attention(
     last. New token ``i`` of a sequence with ``n`` new and ``S`` total tokens sees the first
     ``S - n + i + 1`` slots. Each query token is one row of the decode kernels (its own length, its
     own tail multiplier), so it reads its prefix in full. With ``LAUNCH.extend_tiled`` (off until it has run
-    on a GPU), calls without the certificate that the tiled kernel covers (8-bit dithers, V rounded to
-    nearest, no outlier channels; ``triton_extend``) read each K/V tile once per block of new tokens
-    instead: the same values, far fewer reads for long prompts.
+    on a GPU), calls that the tiled kernel covers (8-bit dithers, V rounded to nearest, no outlier channels;
+    ``triton_extend``) read each K/V tile once per block of new tokens instead: the same values and
+    certificates, far fewer reads for long prompts.
     """
     _check_common(q, pool, layer, delta_step, certificate)
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
@@ -571,7 +571,6 @@ def extend_attention(
             raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
     tiled = (
         LAUNCH.extend_tiled
-        and not certificate
         and select_path(q.device) != "reference"
         and pool.dither_bits == 8
         and not pool.v_dither
@@ -579,7 +578,17 @@ def extend_attention(
     )
     if tiled:
         return _run_extend_tiled(
-            q, pool, layer, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale, num_kv_splits=num_kv_splits, out=out
+            q,
+            pool,
+            layer,
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            sm_scale=sm_scale,
+            delta_step=delta_step,
+            num_kv_splits=num_kv_splits,
+            out=out,
+            certificate=certificate,
         )
     token = torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
     sequence = torch.searchsorted(qo_indptr.to(torch.int64)[1:], token, right=True)
@@ -614,8 +623,10 @@ def _run_extend_tiled(
     kv_indices: torch.Tensor,
     *,
     sm_scale: float | None,
+    delta_step: float,
     num_kv_splits: int | None,
     out: torch.Tensor | None,
+    certificate: bool,
 ) -> AttentionOutput:
     """``triton_extend._extend_stage1`` over blocks of new tokens, then decode's stage 2 with the query tokens
     as its rows. The block table is built on the device from shapes (no host sync): a grid of
@@ -646,8 +657,14 @@ def _run_extend_tiled(
         raise ValueError(f"num_kv_splits must be in [1, {_MAX_SPLITS}], got {splits}")
     # NaN until written: a row no block covers (a qo_indptr that does not end at T) comes out NaN.
     part_out = torch.empty(tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.full((tokens, num_q_heads, splits), math.nan, dtype=torch.float32, device=device)
+    part = torch.full(
+        (_STATS if certificate else 1, tokens, num_q_heads, splits), math.nan, dtype=torch.float32, device=device
+    )
+    part_lse = part[0]
+    # Per split, with the certificate: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
+    part_stats = tuple(part[1:_STATS]) if certificate else None
     lse = torch.empty(tokens, num_q_heads, dtype=torch.float32, device=device)
+    stats = torch.empty(_STATS, tokens, num_q_heads, dtype=torch.float32, device=device) if certificate else None
     q = q if q.stride(2) == 1 else q.contiguous()
     interpreted = device.type != "cuda"
     if tokens and sequences:
@@ -664,12 +681,15 @@ def _run_extend_tiled(
             block_first.to(torch.int32),
             part_out,
             part_lse,
+            *(part_stats or (part_lse,) * (_STATS - 1)),
             sequences,
             pool.num_slots,
             kv_indices.numel(),
             q.stride(0),
             q.stride(1),
             sm_scale,
+            math.log(2.0 / delta_step) if certificate else 0.0,
+            reference.fp_slack(pool.dither_bits),
             pool.seed,
             layer,
             NUM_KV_HEADS=pool.kv_heads,
@@ -681,16 +701,21 @@ def _run_extend_tiled(
             GROUP_SIZE=pool.group_size,
             OFFSETS_64=pool.codes[layer, 0].numel() >= 2**31,
             NUM_SPLITS=splits,
+            CERTIFICATE=certificate,
             INTERPRETED=interpreted,
             num_warps=LAUNCH.extend_num_warps,
         )
-        _merge_splits(part_out, part_lse, None, out, lse, None)
+        _merge_splits(part_out, part_lse, part_stats, out, lse, stats)
     else:
         # No sequence to cover the tokens: a malformed qo_indptr (validation off) makes NaN, as in decode.
         out.fill_(math.nan)
         lse.fill_(math.nan)
+        if stats is not None:
+            stats.fill_(math.nan)
     path: Path = "triton-gpu" if device.type == "cuda" else "triton-interpreter"
-    return AttentionOutput(out, lse, None, None, path)
+    if stats is None:
+        return AttentionOutput(out, lse, None, None, path)
+    return _with_certificate(out, lse, stats, path)
 
 
 def decode_attention_fp16(

@@ -51,7 +51,7 @@ def compile_cubin(
     shape and ``LAUNCH`` config, as an sm_90 cubin (``offsets_64``: the variant for pools of 2**31 code bytes
     or more; ``q_dtype``: ``"fp16"`` or ``"bf16"`` queries); compiling needs no GPU."""
     if kernel_name == "extend":
-        return _compile_extend(q_dtype)
+        return _compile_extend(q_dtype, certificate)
     if kernel_name == "gluon":
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -89,24 +89,25 @@ def _sm90_cubin(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
-def _compile_extend(q_dtype: str) -> bytes:
-    """The tiled extend kernel (``triton_extend``, no certificate) at the benchmark's shape and ``LAUNCH``."""
+def _compile_extend(q_dtype: str, certificate: bool) -> bytes:
+    """The tiled extend kernel (``triton_extend``) at the benchmark's shape and ``LAUNCH``."""
     from witcert.kernels import triton_extend
 
     kernel = triton_extend._extend_stage1
     pointers = dict(
         Q=q_dtype, KCodes="i8", KScales="fp16", VCodes="i8", VScales="fp16", QoIndptr="i32", KvIndptr="i32",
-        KvIndices="i32", BlockSequence="i32", BlockFirst="i32", PartOut="fp32", PartLse="fp32",
+        KvIndices="i32", BlockSequence="i32", BlockFirst="i32", PartOut="fp32", PartLse="fp32", PartMax="fp32",
+        PartA1="fp32", PartB="fp32", PartURest="fp32", PartPRest="fp32", PartU="fp32",
     )  # fmt: skip
     scalars = dict(
         num_sequences="i32", num_slots="i32", num_kv_indices="i32", stride_qt="i32", stride_qh="i32",
-        sm_scale="fp32", seed="i64", layer="i32",
+        sm_scale="fp32", log_two_over_delta="fp32", beta="fp32", seed="i64", layer="i32",
     )  # fmt: skip
     block_h = _SHAPE["BLOCK_H"]
     constants = dict(
         NUM_KV_HEADS=_SHAPE["NUM_KV_HEADS"], KV_GROUP=_SHAPE["KV_GROUP"], BLOCK_H=block_h,
         BLOCK_M=LAUNCH.extend_rows // block_h, BLOCK_N=LAUNCH.extend_block_n, HEAD_DIM=_SHAPE["HEAD_DIM"],
-        GROUP_SIZE=_SHAPE["GROUP_SIZE"], OFFSETS_64=False, NUM_SPLITS=4, INTERPRETED=False,
+        GROUP_SIZE=_SHAPE["GROUP_SIZE"], OFFSETS_64=False, NUM_SPLITS=4, CERTIFICATE=certificate, INTERPRETED=False,
     )  # fmt: skip
     return _sm90_cubin(kernel, ASTSource, pointers, scalars, constants, {"num_warps": LAUNCH.extend_num_warps})
 
@@ -161,21 +162,13 @@ def profile(cubin: bytes) -> SassProfile:
 
 def main() -> None:
     """``python -m witcert.kernels.sass KERNEL``: the token loop's opcode counts of both certificate variants,
-    for fp16 and bf16 queries, as JSON keyed ``"<q dtype> <certificate>"`` (``extend``, which has no
-    certificate: keyed ``"<q dtype>"``). Run in a fresh process: under
+    for fp16 and bf16 queries, as JSON keyed ``"<q dtype> <certificate>"``. Run in a fresh process: under
     ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions are interpreted, and a Gluon kernel cannot
     call them."""
     import json
     import sys
 
     kernel_name = sys.argv[1] if len(sys.argv) > 1 else "gluon"
-    if kernel_name == "extend":  # no certificate variant: extend's tiled kernel has none
-        extend = {
-            q_dtype: dict(profile(compile_cubin(kernel_name="extend", certificate=False, q_dtype=q_dtype)).loop_opcodes)
-            for q_dtype in ("fp16", "bf16")
-        }
-        print(json.dumps(extend))
-        return
     counts = {
         f"{q_dtype} {certificate}": dict(
             profile(compile_cubin(kernel_name=kernel_name, certificate=certificate, q_dtype=q_dtype)).loop_opcodes

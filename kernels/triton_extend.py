@@ -1,4 +1,4 @@
-"""Triton kernel: tiled extend (prefill over a quantized prefix), no certificate.
+"""Triton kernel: tiled extend (prefill over a quantized prefix), with or without the certificate.
 
 Each program takes ``BLOCK_M`` new tokens of one sequence with the ``KV_GROUP`` query heads of one KV
 head, ``BLOCK_M * BLOCK_H`` rows of the dots, and one split of the keys they see (causal: new token ``i``
@@ -8,9 +8,10 @@ every new token. The operands are the decode kernels' (``triton_kernels``), exac
 accumulation, so the output matches the float32 reference as decode's does. Splits merge in
 ``_decode_stage2``, the query tokens being its rows.
 
-Covered: 8-bit dithers, V rounded to nearest, no outlier channels (``attention.extend_attention`` sends
-everything else, and every call with a certificate, to the per-row path). Imported lazily, like
-``triton_kernels``.
+With the certificate, each row (a new token and a head) gets decode's accumulators over the keys it sees,
+with its own length in the tail multiplier, and stage 2 evaluates them. Covered: 8-bit dithers, V rounded
+to nearest, no outlier channels (``attention.extend_attention`` sends everything else to the per-row path).
+Imported lazily, like ``triton_kernels``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from witcert.kernels.triton_kernels import _FP32_INF, _P_SCALE, neg_xi_group, pv_nearest, qk_group, tile_slots
+from witcert.kernels.triton_kernels import (
+    _FP32_INF,
+    _P_SCALE,
+    add_radius_terms,
+    certificate_tile,
+    neg_xi_group,
+    pv_nearest,
+    qk_group,
+    store_certificate_partials,
+    tile_slots,
+)
 
 
 @triton.jit
@@ -35,12 +46,20 @@ def _extend_stage1(
     BlockFirst,
     PartOut,
     PartLse,
+    PartMax,
+    PartA1,
+    PartB,
+    PartURest,
+    PartPRest,
+    PartU,
     num_sequences,
     num_slots,
     num_kv_indices,
     stride_qt,
     stride_qh,
     sm_scale,
+    log_two_over_delta,
+    beta,
     seed,
     layer,
     NUM_KV_HEADS: tl.constexpr,
@@ -52,9 +71,11 @@ def _extend_stage1(
     GROUP_SIZE: tl.constexpr,
     OFFSETS_64: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    CERTIFICATE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """One (query block, KV head, split): dequantize each K/V tile once for the block's rows, online softmax."""
+    """One (query block, KV head, split): dequantize each K/V tile once for the block's rows, online softmax,
+    and with ``CERTIFICATE`` each row's certificate accumulators (decode's, with the row's own length)."""
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -91,6 +112,16 @@ def _extend_stage1(
     running_max = tl.full((ROWS,), -_FP32_INF, tl.float32)
     running_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    # The certificate: each row's tail multiplier from its own length (THEORY.md section 2), the rest sums
+    # over tokens other than the running argmax, and u and g at that argmax.
+    tail = tl.sqrt(2.0 * (tl.log(tl.maximum(row_limit, 1).to(tl.float32)) + log_two_over_delta))
+    sigma_coef = sm_scale * sm_scale / 12.0
+    bias_coef = sm_scale * beta
+    b_rest = tl.zeros((ROWS,), tl.float32)
+    u_rest = tl.zeros((ROWS,), tl.float32)
+    w_rest = tl.zeros((ROWS,), tl.float32)
+    u_max = tl.zeros((ROWS,), tl.float32)
+    g_max = tl.zeros((ROWS,), tl.float32)
     slots_ok = sequence_ok
     head_word = kv_head.to(tl.uint32)
     group_calls: tl.constexpr = GROUP_SIZE // 16  # 8-bit dithers: 16 channels per Philox call
@@ -100,6 +131,8 @@ def _extend_stage1(
         slots_ok = slots_ok & in_range
         base = slots * NUM_KV_HEADS + kv_head
         logits = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        sigma_sq = tl.zeros((ROWS, BLOCK_N), tl.float32)
+        bias = tl.zeros((ROWS, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
@@ -111,15 +144,24 @@ def _extend_stage1(
             part = qk_group(q_g, codes_g, neg_xi_g, ROWS, BLOCK_N, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
+            if CERTIFICATE:
+                sigma_sq, bias = add_radius_terms(sigma_sq, bias, q_g.to(tl.float32), scale_g, sigma_coef, bias_coef)
         visible = token_ok[None, :] & (offs[None, :] < row_limit[:, None])
         logits = tl.where(visible, logits * sm_scale, -_FP32_INF)
 
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        tile_max = tl.max(logits, axis=1)
+        new_max = tl.maximum(running_max, tile_max)
         # A row that sees no key of this tile yet keeps the max at -inf: shift by 0.
         shift = tl.where(new_max == -_FP32_INF, 0.0, new_max)
         alpha = tl.exp(running_max - shift)
         weights = tl.exp(logits - shift[:, None])
         running_sum = running_sum * alpha + tl.sum(weights, axis=1)
+        if CERTIFICATE:
+            radius = tl.where(visible, tail[:, None] * tl.sqrt(sigma_sq) + bias, 0.0)
+            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
+                logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
+                BLOCK_N, not INTERPRETED,
+            )  # fmt: skip
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
         v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :])
@@ -134,3 +176,8 @@ def _extend_stage1(
     tl.store(PartOut + part_row[:, None] * HEAD_DIM + channels[None, :], out, mask=row_ok[:, None])
     lse = tl.where(running_sum == 0, -_FP32_INF, running_max + tl.log(safe_sum)) + poison
     tl.store(PartLse + part_row, lse, mask=row_ok)
+    if CERTIFICATE:
+        store_certificate_partials(
+            PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, row_ok, running_max, safe_sum, poison,
+            b_rest, u_rest, w_rest, u_max,
+        )  # fmt: skip

@@ -225,6 +225,55 @@ def fold_rest(rest, alpha, tile, moved, weight_arg, held, arg):
 
 
 @triton.jit
+def add_radius_terms(sigma_sq, bias, q_g, scale_g, sigma_coef, bias_coef):
+    """``sigma^2`` and the bias of the radius ``[rows, N]`` (THEORY.md section 2) plus one channel group's
+    terms: ``sm^2 |q_g|^2 s_g^2 / 12`` and ``sm beta |q_g|_1 s_g`` (``q_g`` float32, exact channels zeroed)."""
+    # The coefficients go on q's per-row sums (loop-invariant, hoisted), not on every token.
+    q_sq = tl.sum(q_g * q_g, axis=1) * sigma_coef
+    sigma_sq += q_sq[:, None] * (scale_g * scale_g)[None, :]
+    bias += (tl.sum(tl.abs(q_g), axis=1) * bias_coef)[:, None] * scale_g[None, :]
+    return sigma_sq, bias
+
+
+@triton.jit
+def certificate_tile(
+    logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
+    N: tl.constexpr, FAST_EXP: tl.constexpr,
+):  # fmt: skip
+    """The certificate's running state ``(B_rest, U_rest, P_rest, u_max, g_max)`` per row after one tile of
+    ``N`` tokens: the tile's rest sums, and the argmax held apart (THEORY.md section 3)."""
+    # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
+    index = tl.arange(0, N)[None, :]
+    tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, N), axis=1)
+    is_arg = index == tile_arg[:, None]
+    u_arg, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, g_of(radius, FAST_EXP), is_arg)
+    g_arg = g_of(u_arg, FAST_EXP)
+    weight_arg = tl.exp(tile_max - shift)
+    # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
+    moved = tile_max > running_max
+    b_rest = fold_rest(b_rest, alpha, tile_b, moved, weight_arg, g_max, g_arg)
+    u_rest = fold_rest(u_rest, alpha, tile_u, moved, weight_arg, u_max, u_arg)
+    # The old argmax token weighs alpha in the new frame; a non-moving tile's argmax weighs weight_arg.
+    w_rest = w_rest * alpha + tile_w + tl.where(moved, alpha, weight_arg)
+    return b_rest, u_rest, w_rest, tl.where(moved, u_arg, u_max), tl.where(moved, g_arg, g_max)
+
+
+@triton.jit
+def store_certificate_partials(
+    PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, mask, running_max, safe_sum, poison, b_rest,
+    u_rest, w_rest, u_max,
+):  # fmt: skip
+    """A split's certificate partials for stage 2: its max logit, ``A1_rest = B_rest + U_rest``, ``B_rest``,
+    ``U_rest`` and ``P_rest`` normalised by the split's sum of weights, and ``u`` at its argmax."""
+    tl.store(PartMax + part_row, running_max + poison, mask=mask)
+    tl.store(PartA1 + part_row, (b_rest + u_rest) / safe_sum + poison, mask=mask)
+    tl.store(PartB + part_row, b_rest / safe_sum + poison, mask=mask)
+    tl.store(PartURest + part_row, u_rest / safe_sum + poison, mask=mask)
+    tl.store(PartPRest + part_row, w_rest / safe_sum + poison, mask=mask)
+    tl.store(PartU + part_row, u_max + poison, mask=mask)
+
+
+@triton.jit
 def _by_channel(per_group, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """``[N, NG]`` -> ``[N, NG * G]``: each group's value over its channels."""
     return tl.reshape(tl.broadcast_to(per_group[:, :, None], (N, NUM_GROUPS, GROUP_SIZE)), (N, NUM_GROUPS * GROUP_SIZE))
@@ -666,10 +715,7 @@ def _decode_stage1(
                 radius_q_g = q_g.to(tl.float32)
                 if HAS_OUTLIERS:
                     radius_q_g = tl.where(exact_g[None, :], 0.0, radius_q_g)
-                # The coefficients go on q's per-head sums (loop-invariant, hoisted), not on every token.
-                q_sq = tl.sum(radius_q_g * radius_q_g, axis=1) * sigma_coef
-                sigma_sq += q_sq[:, None] * (scale_g * scale_g)[None, :]
-                bias += (tl.sum(tl.abs(radius_q_g), axis=1) * bias_coef)[:, None] * scale_g[None, :]
+                sigma_sq, bias = add_radius_terms(sigma_sq, bias, radius_q_g, scale_g, sigma_coef, bias_coef)
         logits = logits * sm_scale
         if HAS_OUTLIERS:
             k_exact = tl.load(
@@ -692,21 +738,10 @@ def _decode_stage1(
 
         if CERTIFICATE:
             radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
-            # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
-            index = tl.arange(0, BLOCK_N)[None, :]
-            tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, BLOCK_N), axis=1)
-            is_arg = index == tile_arg[:, None]
-            u_arg, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, g_of(radius, FAST_EXP), is_arg)
-            g_arg = g_of(u_arg, FAST_EXP)
-            weight_arg = tl.exp(tile_max - shift)
-            # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
-            moved = tile_max > running_max
-            b_rest = fold_rest(b_rest, alpha, tile_b, moved, weight_arg, g_max, g_arg)
-            u_rest = fold_rest(u_rest, alpha, tile_u, moved, weight_arg, u_max, u_arg)
-            # The old argmax token weighs alpha in the new frame; a non-moving tile's argmax weighs weight_arg.
-            w_rest = w_rest * alpha + tile_w + tl.where(moved, alpha, weight_arg)
-            u_max = tl.where(moved, u_arg, u_max)
-            g_max = tl.where(moved, g_arg, g_max)
+            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
+                logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
+                BLOCK_N, FAST_EXP,
+            )  # fmt: skip
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
         v_scales = tl.load(VScales + base[:, None] * num_groups + groups[None, :])
@@ -759,12 +794,10 @@ def _decode_stage1(
     empty = running_sum == 0
     tl.store(PartLse + part_row, tl.where(empty, -_FP32_INF, running_max + tl.log(safe_sum)) + poison, mask=head_ok)
     if CERTIFICATE:
-        tl.store(PartMax + part_row, running_max + poison, mask=head_ok)
-        tl.store(PartA1 + part_row, (b_rest + u_rest) / safe_sum + poison, mask=head_ok)
-        tl.store(PartB + part_row, b_rest / safe_sum + poison, mask=head_ok)
-        tl.store(PartURest + part_row, u_rest / safe_sum + poison, mask=head_ok)
-        tl.store(PartPRest + part_row, w_rest / safe_sum + poison, mask=head_ok)
-        tl.store(PartU + part_row, u_max + poison, mask=head_ok)
+        store_certificate_partials(
+            PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, head_ok, running_max, safe_sum, poison,
+            b_rest, u_rest, w_rest, u_max,
+        )  # fmt: skip
 
 
 @triton.jit

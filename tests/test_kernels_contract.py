@@ -366,19 +366,23 @@ def tiled_extend():
     LAUNCH.extend_tiled = saved
 
 
-@pytest.mark.parametrize(("q_heads", "kv_heads", "splits"), [(14, 2, None), (14, 2, 3), (2, 2, 2)])
-def test_tiled_extend_without_certificate_matches_reference(tiled_extend, q_heads, kv_heads, splits):
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "splits", "certificate"),
+    [(14, 2, None, False), (14, 2, 3, False), (2, 2, 2, False), (14, 2, 2, True), (2, 2, None, True)],
+)
+def test_tiled_extend_matches_reference(tiled_extend, q_heads, kv_heads, splits, certificate):
     """The tiled kernel (one K/V read per block of new tokens): a sequence of several blocks, one without a
-    prefix, one with a single new token, GQA 7:1 and MHA; every row against the reference."""
+    prefix, one with a single new token, GQA 7:1 and MHA, with and without the certificate; every row against
+    the reference (its certificate from the row's own length)."""
     prefix, new = [20, 0, 70], [3, 20, 1]
     pool, kv_indptr, slots = filled_pool([p + n for p, n in zip(prefix, new, strict=True)], kv_heads=kv_heads,
                                          v_dither=False)  # fmt: skip
     qo_indptr = torch.tensor([0, 3, 23, 24], dtype=torch.int32)
     q = _query(24, q_heads, seed=3)
     result = extend_attention(
-        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, num_kv_splits=splits
+        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=certificate, num_kv_splits=splits
     )
-    assert result.path == "triton-interpreter" and result.certificate is None
+    assert result.path == "triton-interpreter" and (result.certificate is not None) == certificate
     for row in range(24):
         sequence = 0 if row < 3 else (1 if row < 23 else 2)
         position = row - int(qo_indptr[sequence])
@@ -387,6 +391,8 @@ def test_tiled_extend_without_certificate_matches_reference(tiled_extend, q_head
         expected = oracle(q[row], pool, 1, visible, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5, row
         torch.testing.assert_close(result.lse[row], expected.lse, rtol=1e-6, atol=1e-5)
+        if certificate:
+            torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
 
 
 def test_tiled_extend_poisons_a_malformed_sequence_instead_of_reading_it(tiled_extend):
@@ -394,10 +400,8 @@ def test_tiled_extend_poisons_a_malformed_sequence_instead_of_reading_it(tiled_e
     pool, kv_indptr, slots = filled_pool([5, 8], kv_heads=2, v_dither=False)
     qo_indptr = torch.tensor([0, 7, 9], dtype=torch.int32)  # sequence 0: 7 new tokens over 5 slots
     q = _query(9, 14)
-    result = extend_attention(
-        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, validate=False
-    )
-    assert torch.isnan(result.out[:7]).all()
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, validate=False)
+    assert torch.isnan(result.out[:7]).all() and torch.isnan(result.certificate[:7]).all()
     expected = oracle(q[8], pool, 1, slots[5:13], delta=DELTA)
     assert relative_error(result.out[8], expected.out) < 1e-5
 

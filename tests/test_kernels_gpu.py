@@ -155,16 +155,17 @@ def tiled_extend():
     LAUNCH.extend_tiled = saved
 
 
+@pytest.mark.parametrize("certificate", [False, True], ids=["no-certificate", "certificate"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_tiled_extend_matches_reference_on_gpu(tiled_extend, dtype):
-    """Extend without the certificate (the tiled kernel): several blocks per sequence, a long prefix."""
+def test_tiled_extend_matches_reference_on_gpu(tiled_extend, dtype, certificate):
+    """Extend on the tiled kernel: several blocks per sequence, a long prefix, with and without the certificate."""
     prefix, new = [3000, 0, 40], [70, 33, 1]
     pool, kv_indptr, slots = filled_pool(
         [p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, v_dither=False, device=CUDA, dtype=dtype
     )
     qo_indptr = torch.tensor([0, 70, 103, 104], device=CUDA)
     q = _query(104, 28, dtype=dtype)
-    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=certificate)
     assert result.path == "triton-gpu"
     for row in (0, 17, 69, 70, 90, 102, 103):
         sequence = 0 if row < 70 else (1 if row < 103 else 2)
@@ -173,6 +174,8 @@ def test_tiled_extend_matches_reference_on_gpu(tiled_extend, dtype):
         visible = slots[start : start + prefix[sequence] + position + 1]
         expected = oracle(q[row], pool, 1, visible, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5, row
+        if certificate:
+            torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
 
 
 @pytest.mark.parametrize("v_dither", [True, False])
