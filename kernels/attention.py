@@ -132,6 +132,14 @@ def default_num_kv_splits(units: int, device: torch.device, programs_per_sm: int
     return wave_splits(units, programs_per_sm * _sm_count[index])
 
 
+def _checked_splits(num_kv_splits: int | None, units: int, programs_per_sm: int, device: torch.device) -> int:
+    """The caller's number of splits, checked, or the default for ``units`` of work (``default_num_kv_splits``)."""
+    splits = default_num_kv_splits(units, device, programs_per_sm) if num_kv_splits is None else num_kv_splits
+    if not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {_MAX_SPLITS}], got {splits}")
+    return splits
+
+
 def _check_index_tensor(name: str, x: torch.Tensor, device: torch.device) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or x.dim() != 1:
         raise TypeError(f"{name} must be a 1-D int32/int64 tensor")
@@ -445,13 +453,7 @@ def _dispatch(
             skip=skip,
         )
     use_gluon = _runs_gluon(q, pool, kv_indices)
-    if num_kv_splits is None:
-        units, programs_per_sm = _stage1_units(q, pool, use_gluon, certificate)
-        splits = default_num_kv_splits(units, q.device, programs_per_sm)
-    else:
-        splits = num_kv_splits
-    if not 1 <= splits <= _MAX_SPLITS:
-        raise ValueError(f"num_kv_splits must be in [1, {_MAX_SPLITS}], got {splits}")
+    splits = _checked_splits(num_kv_splits, *_stage1_units(q, pool, use_gluon, certificate), q.device)
     return _run_triton(
         q,
         pool,
@@ -649,12 +651,7 @@ def _run_extend_tiled(
     block_sequence = torch.searchsorted(ends, index, right=True)  # == sequences past the last block
     first_block = (ends - blocks)[torch.clamp(block_sequence, max=max(sequences - 1, 0))]
     block_first = (index - first_block) * block_m
-    if num_kv_splits is None:
-        splits = default_num_kv_splits(grid_blocks * pool.kv_heads, device, LAUNCH.programs_per_sm())
-    else:
-        splits = num_kv_splits
-    if not 1 <= splits <= _MAX_SPLITS:
-        raise ValueError(f"num_kv_splits must be in [1, {_MAX_SPLITS}], got {splits}")
+    splits = _checked_splits(num_kv_splits, grid_blocks * pool.kv_heads, LAUNCH.programs_per_sm(), device)
     # NaN until written: a row no block covers (a qo_indptr that does not end at T) comes out NaN.
     part_out = torch.empty(tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
     part = torch.full(
