@@ -254,7 +254,7 @@ def _run_triton(
     )
     part_lse = part[0]
     # Per split: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
-    part_stats = tuple(part[1:_STATS]) if certificate else (part_lse,) * (_STATS - 1)
+    part_stats = tuple(part[1:_STATS]) if certificate else None
     lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
     stats = torch.empty(_STATS, rows, num_q_heads, dtype=torch.float32, device=device) if certificate else None
     q = q if q.stride(2) == 1 else q.contiguous()
@@ -268,7 +268,7 @@ def _run_triton(
         kv_indices if skip is None else skip.view(torch.uint8),
         part_out,
         part_lse,
-        *part_stats,
+        *_stat_pointers(part_stats, part_lse),
         pool.num_slots,
         kv_indices.numel(),
         q.stride(0),
@@ -338,11 +338,17 @@ def _run_triton(
             num_stages=LAUNCH.num_stages,
             **({"maxnreg": LAUNCH.maxnreg} if LAUNCH.maxnreg and device.type == "cuda" else {}),
         )
-    _merge_splits(part_out, part_lse, part_stats if certificate else None, out, lse, stats)
+    _merge_splits(part_out, part_lse, part_stats, out, lse, stats)
     path: Path = "gluon-gpu" if use_gluon else "triton-gpu" if device.type == "cuda" else "triton-interpreter"
     if not certificate:
         return AttentionOutput(out, lse, None, None, path)
     return _with_certificate(out, lse, stats, path)
+
+
+def _stat_pointers(part_stats: tuple[torch.Tensor, ...] | None, part_lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The per-split certificate partials a kernel takes, or, without the certificate, ``part_lse`` in each
+    place (the kernels compile those stores out, but a pointer must be passed)."""
+    return part_stats if part_stats is not None else (part_lse,) * (_STATS - 1)
 
 
 def _merge_splits(
@@ -360,7 +366,7 @@ def _merge_splits(
     kernels_module()._decode_stage2[(rows, num_q_heads)](
         part_out,
         part_lse,
-        *(part_stats if certificate else (part_lse,) * (_STATS - 1)),
+        *_stat_pointers(part_stats, part_lse),
         out,
         lse,
         *(stats if certificate else (lse,) * _STATS),
@@ -678,7 +684,7 @@ def _run_extend_tiled(
             block_first.to(torch.int32),
             part_out,
             part_lse,
-            *(part_stats or (part_lse,) * (_STATS - 1)),
+            *_stat_pointers(part_stats, part_lse),
             sequences,
             pool.num_slots,
             kv_indices.numel(),

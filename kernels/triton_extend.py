@@ -27,6 +27,7 @@ from witcert.kernels.triton_kernels import (
     neg_xi_group,
     pv_nearest,
     qk_group,
+    softmax_tile,
     store_certificate_partials,
     tile_slots,
 )
@@ -149,13 +150,7 @@ def _extend_stage1(
         visible = token_ok[None, :] & (offs[None, :] < row_limit[:, None])
         logits = tl.where(visible, logits * sm_scale, -_FP32_INF)
 
-        tile_max = tl.max(logits, axis=1)
-        new_max = tl.maximum(running_max, tile_max)
-        # A row that sees no key of this tile yet keeps the max at -inf: shift by 0.
-        shift = tl.where(new_max == -_FP32_INF, 0.0, new_max)
-        alpha = tl.exp(running_max - shift)
-        weights = tl.exp(logits - shift[:, None])
-        running_sum = running_sum * alpha + tl.sum(weights, axis=1)
+        tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
         if CERTIFICATE:
             radius = tl.where(visible, tail[:, None] * tl.sqrt(sigma_sq) + bias, 0.0)
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(

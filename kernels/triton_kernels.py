@@ -225,6 +225,19 @@ def fold_rest(rest, alpha, tile, moved, weight_arg, held, arg):
 
 
 @triton.jit
+def softmax_tile(logits, running_max, running_sum):
+    """One tile of the online softmax over axis 1: ``(tile_max, new_max, shift, alpha, weights, running_sum)``,
+    the weights ``exp(logits - shift)`` and ``alpha`` rescaling what came before. A row that has seen no
+    live token yet (all masked or skipped) keeps its max at -inf and shifts by 0, so it adds nothing."""
+    tile_max = tl.max(logits, axis=1)
+    new_max = tl.maximum(running_max, tile_max)
+    shift = tl.where(new_max == -_FP32_INF, 0.0, new_max)
+    alpha = tl.exp(running_max - shift)
+    weights = tl.exp(logits - shift[:, None])
+    return tile_max, new_max, shift, alpha, weights, running_sum * alpha + tl.sum(weights, axis=1)
+
+
+@triton.jit
 def add_radius_terms(sigma_sq, bias, q_g, scale_g, sigma_coef, bias_coef):
     """``sigma^2`` and the bias of the radius ``[rows, N]`` (THEORY.md section 2) plus one channel group's
     terms: ``sm^2 |q_g|^2 s_g^2 / 12`` and ``sm beta |q_g|_1 s_g`` (``q_g`` float32, exact channels zeroed)."""
@@ -728,13 +741,7 @@ def _decode_stage1(
             logits += exact_part * sm_scale
         logits = tl.where(token_ok[None, :], logits, -_FP32_INF)
 
-        tile_max = tl.max(logits, axis=1)
-        new_max = tl.maximum(running_max, tile_max)
-        # A tile whose tokens are all skipped, before any live one, leaves the max at -inf: shift by 0.
-        shift = tl.where(new_max == -_FP32_INF, 0.0, new_max)
-        alpha = tl.exp(running_max - shift)
-        weights = tl.exp(logits - shift[:, None])  # [H, N]
-        running_sum = running_sum * alpha + tl.sum(weights, axis=1)
+        tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
 
         if CERTIFICATE:
             radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
