@@ -7,10 +7,11 @@ SGLang backend's extend calls. Each variant is timed in the same process as the 
 
 * ``sdpa_fp16``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous fp16 K/V with the
   bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), PyTorch's choice of backend;
-* ``tiled``: ``extend_attention`` with the tiled kernel (``LAUNCH.extend_tiled = True``);
-* ``per_row``: the same call with ``LAUNCH.extend_tiled = False`` (the default until the tiled kernel has
-  run on a GPU): one decode row per new token;
-* ``tiled_cert``, ``per_row_cert``: the same two with the certificate of every new token.
+* ``tiled``: ``extend_attention`` with the tiled kernel (``LAUNCH.extend_tiled = True``, the default);
+* ``per_row``: the same call with ``LAUNCH.extend_tiled = False``: one decode row per new token;
+* ``tiled_cert``, ``per_row_cert``: the same two with the certificate of every new token;
+* with ``--configs``, ``tiled@R:N:W`` and ``tiled_cert@R:N:W`` for each tiling: ``R`` rows of the dots
+  (``LAUNCH.extend_rows``), ``N``-token tiles (``extend_block_n``) and ``W`` warps (``extend_num_warps``).
 
 Writes a JSON results file; prints one line per shape.
 """
@@ -33,7 +34,7 @@ from witcert.kernels.attention import LAUNCH
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 
 
-def bench_shape(prefix: int, new: int, per_row: bool) -> dict:
+def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, int, int]]) -> dict:
     total = prefix + new
     generator = torch.Generator(device="cuda").manual_seed(total)
     pool = KVPool(total, 1, KV_HEADS, HEAD_DIM, device="cuda")
@@ -50,15 +51,22 @@ def bench_shape(prefix: int, new: int, per_row: bool) -> dict:
     mask = causal_lower_right(new, total)
     row: dict = {"prefix": prefix, "new": new}
 
-    def extend(tiled: bool, certificate: bool = False):
+    def extend(tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None):
+        settings = {"extend_tiled": tiled}
+        if config is not None:
+            settings.update(zip(("extend_rows", "extend_block_n", "extend_num_warps"), config, strict=True))
+
         def run() -> None:
-            saved, LAUNCH.extend_tiled = LAUNCH.extend_tiled, tiled
+            saved = {name: getattr(LAUNCH, name) for name in settings}
             try:
+                for name, value in settings.items():
+                    setattr(LAUNCH, name, value)
                 extend_attention(
                     q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=certificate, out=out
                 )
             finally:
-                LAUNCH.extend_tiled = saved
+                for name, value in saved.items():
+                    setattr(LAUNCH, name, value)
 
         return run
 
@@ -68,6 +76,9 @@ def bench_shape(prefix: int, new: int, per_row: bool) -> dict:
     variants = [("sdpa_fp16", sdpa), ("tiled", extend(True)), ("tiled_cert", extend(True, True))]
     if per_row:
         variants += [("per_row", extend(False)), ("per_row_cert", extend(False, True))]
+    for config in configs:
+        tag = ":".join(map(str, config))
+        variants += [(f"tiled@{tag}", extend(True, False, config)), (f"tiled_cert@{tag}", extend(True, True, config))]
     for name, fn in variants:
         try:
             row[name] = {"ms": float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))}
@@ -82,8 +93,16 @@ def main() -> None:
                         help="PREFIX:NEW pairs (default: %(default)s)")  # fmt: skip
     parser.add_argument("--per-row-up-to", type=int, default=2**26,
                         help="time the per-row path only where new * (prefix + new) is at most this")  # fmt: skip
+    parser.add_argument("--configs", nargs="*", default=[],
+                        help="ROWS:BLOCK_N:WARPS tilings of the tiled kernel to time too (default: none)")  # fmt: skip
     parser.add_argument("--output", type=Path, default=Path("bench/results/extend_h200.json"))
     args = parser.parse_args()
+    try:
+        configs = [tuple(int(x) for x in config.split(":")) for config in args.configs]
+    except ValueError:
+        parser.error(f"--configs takes ROWS:BLOCK_N:WARPS integers, got {args.configs}")
+    if any(len(config) != 3 for config in configs):
+        parser.error(f"--configs takes ROWS:BLOCK_N:WARPS, got {args.configs}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     results = {
@@ -99,7 +118,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
         prefix, new = (int(x) for x in shape.split(":"))
-        row = bench_shape(prefix, new, per_row=new * (prefix + new) <= args.per_row_up_to)
+        row = bench_shape(prefix, new, new * (prefix + new) <= args.per_row_up_to, configs)
         results["rows"].append(row)
         print(f"prefix={prefix} new={new}: " + " ".join(f"{k}={v.get('ms', float('nan')):.4f}ms" for k, v in row.items()
                                                       if isinstance(v, dict)), flush=True)  # fmt: skip

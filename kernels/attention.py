@@ -51,12 +51,12 @@ class LaunchConfig:
     # 0.329 / 0.251, 128 (4 per SM, heavy spills) 0.390 / 0.284.
     gluon_maxnreg: int | None = 168
     gluon_maxnreg_nocert: int | None = 168
-    # The tiled extend kernel (triton_extend), with or without the certificate. Off by default until it has
-    # run on a GPU: it is verified in Triton's interpreter (tests/test_kernels_contract.py) and compiles for
-    # sm_90 with Triton 3.6 and 3.9, but tests/test_kernels_gpu.py's tiled-extend test and
-    # bench/bench_extend.py have not run yet (session 8 had no device time left). Then: rows of its dots
-    # (new tokens times the padded query heads of one KV head), keys per tile, warps; not yet swept.
-    extend_tiled: bool = False
+    # The tiled extend kernel (triton_extend), with or without the certificate; False runs one decode row per
+    # new token. Swept on the H200 (bench/results/extend_h200.json; prefix 16k + 512 new tokens, ms without /
+    # with the certificate): 128 rows (16 new tokens of 8 padded heads), 64-key tiles, 8 warps 2.14 / 4.24;
+    # 32-key tiles 2.80 / 4.50; 4 warps 2.62 / 11.5; 64 rows and 4 warps 2.13 / 5.81; 128-key tiles 2.11 / 15.0;
+    # 256 rows 2.58 / 10.7. The per-row path: 3.41 / 4.36.
+    extend_tiled: bool = True
     extend_rows: int = 128
     extend_block_n: int = 64
     extend_num_warps: int = 8
@@ -558,11 +558,11 @@ def extend_attention(
     ``qo_indptr[b]:qo_indptr[b+1]``. Their K/V must already be written to the pool:
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` lists sequence ``b``'s slots, prefix first, new tokens
     last. New token ``i`` of a sequence with ``n`` new and ``S`` total tokens sees the first
-    ``S - n + i + 1`` slots. Each query token is one row of the decode kernels (its own length, its
-    own tail multiplier), so it reads its prefix in full. With ``LAUNCH.extend_tiled`` (off until it has run
-    on a GPU), calls that the tiled kernel covers (8-bit dithers, V rounded to nearest, no outlier channels;
-    ``triton_extend``) read each K/V tile once per block of new tokens instead: the same values and
-    certificates, far fewer reads for long prompts.
+    ``S - n + i + 1`` slots, and gets its own certificate (its own length, its own tail multiplier). Calls
+    that the tiled kernel covers (8-bit dithers, V rounded to nearest, no outlier channels; ``triton_extend``)
+    read each K/V tile once per block of 16 new tokens. The others, and every call with
+    ``LAUNCH.extend_tiled = False``, run each query token as one row of the decode kernels, which reads its
+    prefix in full: the same values and certificates, many more reads for long prompts.
     """
     _check_common(q, pool, layer, delta_step, certificate)
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):

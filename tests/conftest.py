@@ -20,6 +20,22 @@ def reference_kernels(monkeypatch):
 
 
 @pytest.fixture
+def tiled_extend(monkeypatch):
+    """Extend on the tiled kernel (``LAUNCH.extend_tiled``), whatever the default."""
+    from witcert.kernels.attention import LAUNCH
+
+    monkeypatch.setattr(LAUNCH, "extend_tiled", True)
+
+
+@pytest.fixture
+def per_row_extend(monkeypatch):
+    """Extend with one decode row per new token: the path of the calls the tiled kernel does not cover."""
+    from witcert.kernels.attention import LAUNCH
+
+    monkeypatch.setattr(LAUNCH, "extend_tiled", False)
+
+
+@pytest.fixture
 def collector(tmp_path):
     """A running collector on a fresh chDB store, OTLP/HTTP on a free port, storing every 50 ms."""
     # Imported here: most test modules never start a collector.

@@ -32,7 +32,7 @@ from witcert.kernels import (  # noqa: E402
     reference,
     select_path,
 )
-from witcert.kernels.attention import LAUNCH, wave_splits  # noqa: E402
+from witcert.kernels.attention import wave_splits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
@@ -341,7 +341,7 @@ def test_fp16_baseline_matches_exact_attention():
 # --- extend --------------------------------------------------------------------------------------------
 
 
-def test_extend_over_a_quantized_prefix_is_causal_and_matches_reference():
+def test_extend_over_a_quantized_prefix_is_causal_and_matches_reference(per_row_extend):
     prefix, new = [20, 0], [3, 4]
     lengths = [p + n for p, n in zip(prefix, new, strict=True)]
     pool, kv_indptr, slots = filled_pool(lengths, kv_heads=2)
@@ -356,14 +356,6 @@ def test_extend_over_a_quantized_prefix_is_causal_and_matches_reference():
         expected = oracle(q[row], pool, 1, visible, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5
         torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
-
-
-@pytest.fixture
-def tiled_extend():
-    """Extend without the certificate on the tiled kernel (``LAUNCH.extend_tiled``, off by default)."""
-    saved, LAUNCH.extend_tiled = LAUNCH.extend_tiled, True
-    yield
-    LAUNCH.extend_tiled = saved
 
 
 @pytest.mark.parametrize(

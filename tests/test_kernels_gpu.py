@@ -131,7 +131,7 @@ def test_decode_with_outliers_and_skipped_pairs_matches_reference_on_gpu(v_dithe
     assert torch.all(skipped.lse[1, 7:14] == -float("inf")) and torch.all(skipped.certificate[1, 7:14] == 0)
 
 
-def test_extend_matches_reference_on_gpu():
+def test_extend_matches_reference_on_gpu(per_row_extend):
     prefix, new = [700, 0, 33], [5, 17, 1]
     pool, kv_indptr, slots = filled_pool([p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, device=CUDA)
     qo_indptr = torch.tensor([0, 5, 22, 23], device=CUDA)
@@ -145,14 +145,6 @@ def test_extend_matches_reference_on_gpu():
         expected = oracle(q[row], pool, 1, visible, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5
         torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
-
-
-@pytest.fixture
-def tiled_extend():
-    """Extend without the certificate on the tiled kernel (``LAUNCH.extend_tiled``, off by default)."""
-    saved, LAUNCH.extend_tiled = LAUNCH.extend_tiled, True
-    yield
-    LAUNCH.extend_tiled = saved
 
 
 @pytest.mark.parametrize("certificate", [False, True], ids=["no-certificate", "certificate"])

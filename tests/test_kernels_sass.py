@@ -91,9 +91,8 @@ def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
 
 
 def test_tiled_extend_compiles_for_sm90_on_the_tensor_cores():
-    """The tiled extend kernel has not run on a GPU yet (LAUNCH.extend_tiled is off); CI at least compiles it,
-    with and without the certificate, for the H200's architecture and checks that its dots reach the tensor
-    cores (wgmma or mma.sync)."""
+    """CI has no GPU to run the tiled extend kernel on; it compiles it, with and without the certificate, for
+    the H200's architecture and checks that its dots reach the tensor cores (wgmma or mma.sync)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(
         [sys.executable, "-m", "witcert.kernels.sass", "extend"], env=env, capture_output=True, text=True, timeout=600
