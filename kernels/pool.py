@@ -126,13 +126,14 @@ class KVPool:
         if not 0 <= int(layer) < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
 
-    def _check_slots(self, slots: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    def _check_slots(self, slots: torch.Tensor, count: int | None = None, *, values: bool = True) -> torch.Tensor:
+        """``slots`` on the pool's device, its dtype and shape checked, and with ``values`` its range (a sync)."""
         slots = torch.as_tensor(slots, device=self.device)
         if slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
             raise TypeError(f"slots must be a 1-D int32/int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
         if count is not None and slots.shape[0] != count:
             raise ValueError(f"slots has {slots.shape[0]} entries for {count} tokens")
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+        if values and slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
             raise ValueError(f"slots must lie in [0, {self.num_slots})")
         return slots
 
@@ -291,6 +292,53 @@ class KVPool:
     ) -> torch.Tensor:
         """``x_hat`` ``[N, H_kv, D]`` of the stored tokens (reference arithmetic; for tests and repair)."""
         return self.quantized(layer, slots, kind).dequantize(dtype)
+
+    def gather(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None, *, validate: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_hat, v_hat)``, each ``[N, H_kv, D]`` in ``dtype`` (default: the pool's), of the stored tokens of
+        ``slots``: the Triton gather kernel (``triton_gather``), bit-identical to ``dequantize(layer, slots,
+        kind).to(dtype)``. ``validate`` (default: on except on CUDA, where it costs a sync) checks the slots;
+        unchecked, a slot out of range gives a NaN row."""
+        self._check_layer(layer)
+        dtype = self.dtype if dtype is None else dtype
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        slots = self._check_slots(slots, values=validate if validate is not None else self.device.type != "cuda")
+        if select_path(self.device) == "reference":
+            return tuple(self.dequantize(layer, slots, kind).to(dtype) for kind in SIDES)  # type: ignore[return-value]
+        from witcert.kernels import triton_gather
+
+        heads_pad = _pow2(self.kv_heads)
+        block_tokens = max(1, _WRITE_ROWS // heads_pad)
+        sides = []
+        for side, kind in enumerate(SIDES):
+            out = torch.empty(slots.shape[0], self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
+            if slots.numel():
+                triton_gather._gather_dequantize[(triton_cdiv(slots.shape[0], block_tokens),)](
+                    slots,
+                    self.codes[layer, side],
+                    self.scales[layer, side],
+                    self.outlier_values[layer, side],
+                    self.outlier_index[layer],
+                    out,
+                    slots.shape[0],
+                    self.num_slots,
+                    self.seed,
+                    layer,
+                    NUM_KV_HEADS=self.kv_heads,
+                    HEADS_PAD=heads_pad,
+                    KIND_BIT=side,
+                    HEAD_DIM=self.head_dim,
+                    GROUP_SIZE=self.group_size,
+                    DITHER_BITS=self.dither_bits,
+                    DITHER=self.dithered(kind),
+                    HAS_OUTLIERS=self.num_outliers > 0,
+                    NUM_OUTLIERS=max(1, self.num_outliers),
+                    BLOCK_T=block_tokens,
+                )
+            sides.append(out)
+        return sides[0], sides[1]
 
 
 def triton_cdiv(a: int, b: int) -> int:

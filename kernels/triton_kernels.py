@@ -293,6 +293,27 @@ def _by_channel(per_group, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE
 
 
 @triton.jit
+def dither_rows(
+    seed, slots, layer, head, KIND_BIT: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DITHER_BITS: tl.constexpr,
+):  # fmt: skip
+    """``xi`` ``[ROWS, HEAD_DIM]`` (float32, exact) of rows ``(slot, head)`` on side ``KIND_BIT``, bit-identical
+    to ``reference.dither_values``: what the write kernel adds and the gather kernel subtracts."""
+    per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
+    head_word = head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32)
+    if DITHER_BITS == 24:
+        # 1 + j / 2**24 does not fit float32's 23 mantissa bits: convert the odd integer 2j + 1 - 2**24
+        # (below 2**24 in magnitude, so exact) and scale it by a power of two.
+        fields = _dither_fields(seed, slots, 0, layer, head_word[:, None], ROWS, HEAD_DIM // per_call, 24)
+        xi = (2 * fields + 1 - (1 << 24)).to(tl.float32) * (0.5 / (1 << 24))
+    else:
+        words = _dither_words(seed, slots, 0, layer, head_word[:, None], ROWS, HEAD_DIM // per_call)
+        # xi = (j + 1/2) / 2**b - 1/2 = (1 + j / 2**b) - (3/2 - 2**-(b + 1)), exact (_dither_unit).
+        xi = _dither_unit(words, ROWS, HEAD_DIM // per_call, DITHER_BITS) - (1.5 - 0.5 / (1 << DITHER_BITS))
+    return xi
+
+
+@triton.jit
 def _write_kernel(
     X,
     Slots,
@@ -376,18 +397,7 @@ def _write_kernel(
     remainder = tl.fma(first, _by_channel(-safe_scale, rows, num_groups, GROUP_SIZE), x)
     scaled = tl.fma(remainder, channel_reciprocal, first)
     if DITHER:
-        per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
-        head_word = head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32)
-        if DITHER_BITS == 24:
-            # 1 + j / 2**24 does not fit float32's 23 mantissa bits: convert the odd integer 2j + 1 - 2**24
-            # (below 2**24 in magnitude, so exact) and scale it by a power of two.
-            fields = _dither_fields(seed, slots, 0, layer, head_word[:, None], rows, HEAD_DIM // per_call, 24)
-            xi = (2 * fields + 1 - (1 << 24)).to(tl.float32) * (0.5 / (1 << 24))
-        else:
-            words = _dither_words(seed, slots, 0, layer, head_word[:, None], rows, HEAD_DIM // per_call)
-            # xi = (j + 1/2) / 2**b - 1/2 = (1 + j / 2**b) - (3/2 - 2**-(b + 1)), exact (_dither_unit).
-            xi = _dither_unit(words, rows, HEAD_DIM // per_call, DITHER_BITS) - (1.5 - 0.5 / (1 << DITHER_BITS))
-        scaled = scaled + xi
+        scaled = scaled + dither_rows(seed, slots, layer, head, KIND_BIT, rows, HEAD_DIM, DITHER_BITS)
     # |scaled| < 127: the rounded sum is 1.5 * 2**23 + code, whose bits are 0x4B400000 + code, so their low
     # byte is the int8 code (two's complement): no subtraction, no float -> int conversion.
     codes = (scaled + _ROUND_MAGIC).to(tl.int32, bitcast=True)

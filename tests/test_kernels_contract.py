@@ -338,6 +338,57 @@ def test_fp16_baseline_matches_exact_attention():
         torch.testing.assert_close(lse[row], logits.logsumexp(-1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("dither_bits", "outliers", "v_dither", "kv_heads", "dtype"),
+    [
+        (8, False, False, 4, torch.float16),
+        (8, True, True, 3, torch.bfloat16),
+        (16, True, True, 2, torch.float32),
+        (24, False, True, 3, torch.float16),
+    ],
+)
+def test_gather_is_bit_identical_to_reference_dequantize(dither_bits, outliers, v_dither, kv_heads, dtype):
+    """``KVPool.gather``: every stored (slot, head) of both sides, in any order and with repeats, equals the
+    reference's float32 ``x_hat`` rounded once to ``dtype``; outlier channels come back exact."""
+    generator = torch.Generator().manual_seed(dither_bits + kv_heads)
+    head_dim, tokens = 64, 40
+    pairs = ([3, 17], [0, 30], [9, 10])[: min(kv_heads, 3)]
+    channels = torch.stack([reference.rope_pair_channels(p, head_dim) for p in pairs]) if outliers else None
+    pool = KVPool(
+        96, 2, kv_heads, head_dim, group_size=16, outlier_channels=channels, seed=2**40 + 7,
+        dither_bits=dither_bits, v_dither=v_dither, device="cpu", dtype=torch.bfloat16 if outliers else torch.float16,
+    )  # fmt: skip
+    written = torch.randperm(96, generator=generator)[:tokens]
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=generator) * 3).to(pool.dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(pool.dtype)
+    pool.write(1, written, k, v)
+    slots = written[torch.randint(0, tokens, (57,), generator=generator)].to(torch.int32)
+    k_hat, v_hat = pool.gather(1, slots, dtype)
+    for kind, got in (("k", k_hat), ("v", v_hat)):
+        expected = pool.dequantize(1, slots, kind).to(dtype)
+        assert got.dtype == dtype and got.shape == (57, kv_heads, head_dim)
+        assert torch.equal(got, expected), kind
+        if outliers:
+            position = torch.full((96,), -1, dtype=torch.int64)
+            position[written] = torch.arange(tokens)
+            exact = (k if kind == "k" else v)[position[slots.long()]].to(dtype)
+            index = pool.outlier_channels[1].expand(57, -1, -1)
+            assert torch.equal(got.gather(-1, index), exact.gather(-1, index)), kind
+
+
+def test_gather_marks_an_out_of_range_slot_with_nan_and_validation_refuses_it():
+    pool, _, slots = filled_pool([12], kv_heads=2, v_dither=False)
+    bad = slots.clone()
+    bad[5] = pool.num_slots
+    with pytest.raises(ValueError, match="slots must lie in"):
+        pool.gather(1, bad)
+    k_hat, v_hat = pool.gather(1, bad, validate=False)
+    for kind, got in (("k", k_hat), ("v", v_hat)):
+        assert torch.isnan(got[5]).all()
+        keep = torch.arange(12) != 5
+        assert torch.equal(got[keep], pool.dequantize(1, slots[keep], kind).half())
+
+
 # --- extend --------------------------------------------------------------------------------------------
 
 
