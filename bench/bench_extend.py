@@ -3,11 +3,16 @@
 Method: Qwen2.5-7B shape (28 query heads, 4 KV heads, head_dim 128), one layer, one sequence of ``prefix``
 cached tokens and ``new`` new ones, K dithered and V rounded to nearest; without the certificate is what the
 SGLang backend's extend calls. Each variant is timed in the same process as the median of CUDA-graph replays
-(``triton.testing.do_bench_cudagraph``):
+(``triton.testing.do_bench_cudagraph``), except ``flash`` and ``sdpa_fp16_eager``, timed eagerly
+(``triton.testing.do_bench``; the flash path synchronises once per call):
 
 * ``sdpa_fp16``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous fp16 K/V with the
-  bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), PyTorch's choice of backend;
-* ``tiled``: ``extend_attention`` with the tiled kernel (``LAUNCH.extend_tiled = True``, the default);
+  bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), PyTorch's choice of backend
+  (``sdpa_fp16_eager``: the same, timed eagerly);
+* ``flash``: ``extend_attention`` without the certificate as it runs by default on a GPU: K/V gathered from the
+  pool in fp16 (``KVPool.gather``), then FlashAttention (``kernels/extend_flash.py``); ``gather``: that
+  gather alone;
+* ``tiled``: the exact tiled kernel (``LAUNCH.extend_flash = False``, ``LAUNCH.extend_tiled = True``);
 * ``per_row``: the same call with ``LAUNCH.extend_tiled = False``: one decode row per new token;
 * ``tiled_cert``, ``per_row_cert``: the same two with the certificate of every new token;
 * with ``--configs``, ``tiled@R:N:W`` and ``tiled_cert@R:N:W`` for each tiling: ``R`` rows of the dots
@@ -51,8 +56,8 @@ def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, i
     mask = causal_lower_right(new, total)
     row: dict = {"prefix": prefix, "new": new}
 
-    def extend(tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None):
-        settings = {"extend_tiled": tiled}
+    def extend(tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None, flash=False):
+        settings = {"extend_tiled": tiled, "extend_flash": flash}
         if config is not None:
             settings.update(zip(("extend_rows", "extend_block_n", "extend_num_warps"), config, strict=True))
 
@@ -73,17 +78,24 @@ def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, i
     def sdpa() -> None:
         torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, attn_mask=mask, enable_gqa=True)
 
-    variants = [("sdpa_fp16", sdpa), ("tiled", extend(True)), ("tiled_cert", extend(True, True))]
+    def gather() -> None:
+        pool.gather(0, slots)
+
+    variants = [("sdpa_fp16", sdpa), ("gather", gather), ("tiled", extend(True)), ("tiled_cert", extend(True, True))]
     if per_row:
         variants += [("per_row", extend(False)), ("per_row_cert", extend(False, True))]
     for config in configs:
         tag = ":".join(map(str, config))
         variants += [(f"tiled@{tag}", extend(True, False, config)), (f"tiled_cert@{tag}", extend(True, True, config))]
-    for name, fn in variants:
-        try:
-            row[name] = {"ms": float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))}
-        except Exception as error:  # a backend refusing a shape is a result to report
-            row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    # The flash path reads its lengths on the host (one sync per call), so it cannot be captured in a graph:
+    # it is timed eagerly, as SGLang runs prefill, beside SDPA timed the same way.
+    eager = [("flash", extend(True, flash=True)), ("sdpa_fp16_eager", sdpa)]
+    for timing, batch in ((triton.testing.do_bench_cudagraph, variants), (triton.testing.do_bench, eager)):
+        for name, fn in batch:
+            try:
+                row[name] = {"ms": float(timing(fn, rep=100, return_mode="median"))}
+            except Exception as error:  # a backend refusing a shape is a result to report
+                row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
     return row
 
 

@@ -60,6 +60,12 @@ class LaunchConfig:
     extend_rows: int = 128
     extend_block_n: int = 64
     extend_num_warps: int = 8
+    # Extend without the certificate on FlashAttention over K/V gathered from the pool (kernels/extend_flash.py):
+    # not exact (fp16/bf16 rounding, about 1e-3 relative) and as fast as fp16 attention plus the gather. False
+    # keeps every extend on the exact kernels. The gathered K/V are allocated per call, at most this many bytes
+    # (else the tiled kernel runs): 2 GiB is 2M keys of 4 KV heads at head_dim 128.
+    extend_flash: bool = True
+    extend_flash_max_bytes: int = 2**31
 
     def programs_per_sm(self) -> int:
         """Triton stage-1 programs an SM holds, which the default splits fill (default_num_kv_splits): 65536
@@ -163,16 +169,56 @@ def _check_common(q: torch.Tensor, pool: KVPool, layer: int, delta_step: float, 
         raise ValueError(f"delta_step must be in (0, 1), got {delta_step}")
 
 
-def _check_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, pool: KVPool) -> None:
-    """The checks that read tensor values (a device synchronisation on the GPU)."""
-    if kv_indptr.numel() and int(kv_indptr[0]) < 0:
+def _lowest(x: torch.Tensor) -> torch.Tensor:
+    """``min(0, min(x))`` on the device, 0 for an empty ``x``: every check below tests ``>= 0``, and all of
+    them are read back at once."""
+    return torch.clamp(x.to(torch.int64).amin(), max=0) if x.numel() else x.new_zeros((), dtype=torch.int64)
+
+
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int64).amax() if x.numel() else x.new_zeros((), dtype=torch.int64)
+
+
+def _kv_stats(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> list[torch.Tensor]:
+    kv = kv_indptr.to(torch.int64)
+    return [kv[0], _lowest(kv[1:] - kv[:-1]), kv[-1], _lowest(kv_indices), _largest(kv_indices)]
+
+
+def _raise_for_kv(stats: list[int], num_indices: int, pool: KVPool) -> None:
+    first, step, last, low, high = stats
+    if first < 0:
         raise ValueError("kv_indptr[0] must be >= 0")
-    if bool((kv_indptr[1:] < kv_indptr[:-1]).any()):
+    if step < 0:
         raise ValueError("kv_indptr must be non-decreasing")
-    if kv_indptr.numel() and int(kv_indptr[-1]) > kv_indices.numel():
-        raise ValueError(f"kv_indptr[-1] = {int(kv_indptr[-1])} exceeds len(kv_indices) = {kv_indices.numel()}")
-    if kv_indices.numel() and (int(kv_indices.min()) < 0 or int(kv_indices.max()) >= pool.num_slots):
+    if last > num_indices:
+        raise ValueError(f"kv_indptr[-1] = {last} exceeds len(kv_indices) = {num_indices}")
+    if num_indices and (low < 0 or high >= pool.num_slots):
         raise ValueError(f"kv_indices must be slots in [0, {pool.num_slots})")
+
+
+def _check_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, pool: KVPool) -> None:
+    """The checks that read tensor values: one device synchronisation on the GPU."""
+    _raise_for_kv(torch.stack(_kv_stats(kv_indptr, kv_indices)).tolist(), kv_indices.numel(), pool)
+
+
+def _check_extend_values(
+    q: torch.Tensor, pool: KVPool, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+) -> tuple[int, int]:
+    """Extend's checks that read tensor values, in one device synchronisation; returns the most new tokens
+    and the most keys of any sequence."""
+    qo, kv = qo_indptr.to(torch.int64), kv_indptr.to(torch.int64)
+    new, keys = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
+    extra = [qo[0], _lowest(new), qo[-1], _lowest(keys - new), _largest(new), _largest(keys)]
+    stats = torch.stack(_kv_stats(kv_indptr, kv_indices) + extra).tolist()
+    _raise_for_kv(stats[:5], kv_indices.numel(), pool)
+    first, step, last, spare, most_new, most_keys = stats[5:]
+    if first != 0 or step < 0:
+        raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+    if last != q.shape[0]:
+        raise ValueError(f"qo_indptr[-1] = {last} must equal the number of query rows {q.shape[0]}")
+    if spare < 0:
+        raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
+    return most_new, most_keys
 
 
 def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -569,14 +615,19 @@ def extend_attention(
         _check_index_tensor(name, x, q.device)
     if qo_indptr.numel() != kv_indptr.numel() or qo_indptr.numel() < 1:
         raise ValueError("qo_indptr and kv_indptr must both have B + 1 entries")
-    if validate if validate is not None else q.device.type != "cuda":
-        _check_values(kv_indptr, kv_indices, pool)
-        if int(qo_indptr[0]) != 0 or bool((qo_indptr[1:] < qo_indptr[:-1]).any()):
-            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
-        if int(qo_indptr[-1]) != q.shape[0]:
-            raise ValueError(f"qo_indptr[-1] = {int(qo_indptr[-1])} must equal the number of query rows {q.shape[0]}")
-        if bool(((kv_indptr[1:] - kv_indptr[:-1]) < (qo_indptr[1:] - qo_indptr[:-1])).any()):
-            raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
+    from witcert.kernels import extend_flash
+
+    flash = not certificate and validate is not False and extend_flash.covers(q, pool, kv_indices.numel())
+    if flash or (validate if validate is not None else q.device.type != "cuda"):
+        most_new, most_keys = _check_extend_values(q, pool, qo_indptr, kv_indptr, kv_indices)
+    if flash:
+        attended = extend_flash.attend(
+            q, pool, layer, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale, max_new=most_new, max_keys=most_keys
+        )
+        if attended is not None:
+            out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
+            out.copy_(attended[0])
+            return AttentionOutput(out, attended[1], None, None, "flash-gpu")
     tiled = (
         LAUNCH.extend_tiled
         and select_path(q.device) != "reference"

@@ -19,20 +19,24 @@ def reference_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-@pytest.fixture
-def tiled_extend(monkeypatch):
-    """Extend on the tiled kernel (``LAUNCH.extend_tiled``), whatever the default."""
+def _exact_extend(monkeypatch, tiled: bool) -> None:
     from witcert.kernels.attention import LAUNCH
 
-    monkeypatch.setattr(LAUNCH, "extend_tiled", True)
+    monkeypatch.setattr(LAUNCH, "extend_tiled", tiled)
+    monkeypatch.setattr(LAUNCH, "extend_flash", False)
+
+
+@pytest.fixture
+def tiled_extend(monkeypatch):
+    """Extend on the exact tiled kernel (``LAUNCH.extend_tiled``; on a GPU not FlashAttention), whatever the
+    defaults."""
+    _exact_extend(monkeypatch, tiled=True)
 
 
 @pytest.fixture
 def per_row_extend(monkeypatch):
     """Extend with one decode row per new token: the path of the calls the tiled kernel does not cover."""
-    from witcert.kernels.attention import LAUNCH
-
-    monkeypatch.setattr(LAUNCH, "extend_tiled", False)
+    _exact_extend(monkeypatch, tiled=False)
 
 
 @pytest.fixture

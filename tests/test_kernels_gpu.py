@@ -170,6 +170,63 @@ def test_tiled_extend_matches_reference_on_gpu(tiled_extend, dtype, certificate)
             torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gather_is_bit_identical_to_reference_dequantize_on_gpu(dtype):
+    """The gather kernel compiled: K dithered, V dithered and nearest, rounded once to fp16 or bf16."""
+    for v_dither in (False, True):
+        pool, _, slots = filled_pool([300, 77], kv_heads=4, v_dither=v_dither, device=CUDA, dtype=dtype)
+        order = slots[torch.randperm(slots.numel(), device=CUDA)]
+        k_hat, v_hat = pool.gather(1, order)
+        assert torch.equal(k_hat, pool.dequantize(1, order, "k").to(dtype))
+        assert torch.equal(v_hat, pool.dequantize(1, order, "v").to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_flash_extend_matches_reference_within_half_precision_on_gpu(dtype, monkeypatch):
+    """Extend without the certificate on FlashAttention over the gathered K/V: a prefix hit (causal aligned at
+    the end of the keys), a prompt without a prefix, a single new token, GQA 7:1. Against the float32
+    reference and the exact tiled kernel, at the accuracy of half-precision attention."""
+    prefix, new = [3000, 0, 40], [70, 33, 1]
+    pool, kv_indptr, slots = filled_pool(
+        [p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, v_dither=False, device=CUDA, dtype=dtype
+    )
+    qo_indptr = torch.tensor([0, 70, 103, 104], device=CUDA)
+    q = _query(104, 28, dtype=dtype)
+    flash = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
+    assert flash.path == "flash-gpu" and flash.certificate is None
+    monkeypatch.setattr(LAUNCH, "extend_flash", False)
+    exact = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
+    assert exact.path == "triton-gpu"
+    tolerance = 4e-3 if dtype == torch.float16 else 2e-2
+    for row in (0, 17, 69, 70, 90, 102, 103):
+        sequence = 0 if row < 70 else (1 if row < 103 else 2)
+        position = row - int(qo_indptr[sequence])
+        start = int(kv_indptr[sequence])
+        visible = slots[start : start + prefix[sequence] + position + 1]
+        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+        assert relative_error(flash.out[row], expected.out) < tolerance, row
+        torch.testing.assert_close(flash.lse[row].cpu(), expected.lse, rtol=0.0, atol=tolerance)
+    assert relative_error(flash.out.cpu(), exact.out.cpu()) < tolerance
+
+
+def test_flash_extend_refuses_bad_indices_on_gpu():
+    """The flash path reads its lengths on the host, and checks the indices then: FlashAttention trusts them."""
+    pool, kv_indptr, slots = filled_pool([50, 20], kv_heads=4, v_dither=False, device=CUDA)
+    q = _query(6, 28)
+    qo_indptr = torch.tensor([0, 3, 6], device=CUDA)
+    bad_slots = slots.clone()
+    bad_slots[4] = pool.num_slots
+    with pytest.raises(ValueError, match="kv_indices must be slots"):
+        extend_attention(q, pool, 1, qo_indptr, kv_indptr, bad_slots, delta_step=DELTA, certificate=False)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        extend_attention(q, pool, 1, qo_indptr, kv_indptr.flip(0), slots, delta_step=DELTA, certificate=False)
+    with pytest.raises(ValueError, match="at least as many KV slots"):
+        extend_attention(
+            q, pool, 1, torch.tensor([0, 1, 6], device=CUDA), torch.tensor([0, 50, 53], device=CUDA), slots,
+            delta_step=DELTA, certificate=False,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("v_dither", [True, False])
 def test_cuda_graph_replay_is_bit_identical_to_eager(v_dither, stage1):
     capacity = [3000, 3000, 3000]
