@@ -1,18 +1,18 @@
-"""Extend (prefill over a quantized prefix) on one GPU: the tiled kernel against the per-row path and fp16 SDPA.
+"""Extend (prefill over a quantized prefix) on one GPU: each path of extend_attention against fp16 SDPA.
 
 Method: Qwen2.5-7B shape (28 query heads, 4 KV heads, head_dim 128), one layer, one sequence of ``prefix``
 cached tokens and ``new`` new ones, K dithered and V rounded to nearest; without the certificate is what the
 SGLang backend's extend calls. Each variant is timed in the same process as the median of CUDA-graph replays
-(``triton.testing.do_bench_cudagraph``), except ``flash`` and ``sdpa_fp16_eager``, timed eagerly
-(``triton.testing.do_bench``; the flash path synchronises once per call):
+(``triton.testing.do_bench_cudagraph``), except ``gathered_sdpa`` and ``sdpa_fp16_eager``, timed eagerly
+(``triton.testing.do_bench``; the gathered-SDPA path synchronises once per call):
 
 * ``sdpa_fp16``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous fp16 K/V with the
   bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), PyTorch's choice of backend
   (``sdpa_fp16_eager``: the same, timed eagerly);
-* ``flash``: ``extend_attention`` without the certificate as it runs by default on a GPU: K/V gathered from the
-  pool in fp16 (``KVPool.gather``), then FlashAttention (``kernels/extend_flash.py``); ``gather``: that
-  gather alone;
-* ``tiled``: the exact tiled kernel (``LAUNCH.extend_flash = False``, ``LAUNCH.extend_tiled = True``);
+* ``gathered_sdpa``: ``extend_attention`` without the certificate as it runs by default on a GPU: K/V
+  gathered from the pool in fp16 (``KVPool.gather``), then SDPA per sequence (``kernels/extend_sdpa.py``);
+  ``gather``: that gather alone;
+* ``tiled``: the exact tiled kernel (``LAUNCH.extend_sdpa = False``, ``LAUNCH.extend_tiled = True``);
 * ``per_row``: the same call with ``LAUNCH.extend_tiled = False``: one decode row per new token;
 * ``tiled_cert``, ``per_row_cert``: the same two with the certificate of every new token;
 * with ``--configs``, ``tiled@R:N:W`` and ``tiled_cert@R:N:W`` for each tiling: ``R`` rows of the dots
@@ -39,25 +39,27 @@ from witcert.kernels.attention import LAUNCH
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 
 
-def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, int, int]]) -> dict:
+def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, int, int]], sequences: int = 1) -> dict:
     total = prefix + new
     generator = torch.Generator(device="cuda").manual_seed(total)
-    pool = KVPool(total, 1, KV_HEADS, HEAD_DIM, device="cuda")
-    k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
-    v = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
-    pool.write(0, torch.arange(total, device="cuda"), k, v, validate=False)
-    q = torch.randn(new, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
-    qo_indptr = torch.tensor([0, new], device="cuda", dtype=torch.int32)
-    kv_indptr = torch.tensor([0, total], device="cuda", dtype=torch.int32)
-    slots = torch.arange(total, device="cuda", dtype=torch.int32)
-    out = torch.empty(new, Q_HEADS, HEAD_DIM, device="cuda")
-    q_sdpa = q.transpose(0, 1).unsqueeze(0)  # [1, H, new, D]
-    k_sdpa, v_sdpa = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    pool = KVPool(sequences * total, 1, KV_HEADS, HEAD_DIM, device="cuda")
+    k = torch.randn(sequences * total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    v = torch.randn(sequences * total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    pool.write(0, torch.arange(sequences * total, device="cuda"), k, v, validate=False)
+    q = torch.randn(sequences * new, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    qo_indptr = torch.arange(sequences + 1, device="cuda", dtype=torch.int32) * new
+    kv_indptr = torch.arange(sequences + 1, device="cuda", dtype=torch.int32) * total
+    slots = torch.arange(sequences * total, device="cuda", dtype=torch.int32)
+    out = torch.empty(sequences * new, Q_HEADS, HEAD_DIM, device="cuda")
+    # SDPA batches the equal-length sequences: [B, H, new, D] against [B, H_kv, total, D].
+    q_sdpa = q.view(sequences, new, Q_HEADS, HEAD_DIM).transpose(1, 2)
+    k_sdpa = k.view(sequences, total, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    v_sdpa = v.view(sequences, total, KV_HEADS, HEAD_DIM).transpose(1, 2)
     mask = causal_lower_right(new, total)
-    row: dict = {"prefix": prefix, "new": new}
+    row: dict = {"sequences": sequences, "prefix": prefix, "new": new}
 
-    def extend(tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None, flash=False):
-        settings = {"extend_tiled": tiled, "extend_flash": flash}
+    def extend(tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None, gathered=False):
+        settings = {"extend_tiled": tiled, "extend_sdpa": gathered}
         if config is not None:
             settings.update(zip(("extend_rows", "extend_block_n", "extend_num_warps"), config, strict=True))
 
@@ -87,9 +89,9 @@ def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, i
     for config in configs:
         tag = ":".join(map(str, config))
         variants += [(f"tiled@{tag}", extend(True, False, config)), (f"tiled_cert@{tag}", extend(True, True, config))]
-    # The flash path reads its lengths on the host (one sync per call), so it cannot be captured in a graph:
+    # The gathered-SDPA path reads offsets on the host (one sync per call), so it cannot be captured in a graph:
     # it is timed eagerly, as SGLang runs prefill, beside SDPA timed the same way.
-    eager = [("flash", extend(True, flash=True)), ("sdpa_fp16_eager", sdpa)]
+    eager = [("gathered_sdpa", extend(True, gathered=True)), ("sdpa_fp16_eager", sdpa)]
     for timing, batch in ((triton.testing.do_bench_cudagraph, variants), (triton.testing.do_bench, eager)):
         for name, fn in batch:
             try:
@@ -102,9 +104,10 @@ def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["0:4096", "16384:512", "32768:128"],
-                        help="PREFIX:NEW pairs (default: %(default)s)")  # fmt: skip
+                        help="[Bx]PREFIX:NEW: B sequences (default 1) of PREFIX cached and NEW new tokens "
+                             "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--per-row-up-to", type=int, default=2**26,
-                        help="time the per-row path only where new * (prefix + new) is at most this")  # fmt: skip
+                        help="time the per-row path only where B * new * (prefix + new) is at most this")  # fmt: skip
     parser.add_argument("--configs", nargs="*", default=[],
                         help="ROWS:BLOCK_N:WARPS tilings of the tiled kernel to time too (default: none)")  # fmt: skip
     parser.add_argument("--output", type=Path, default=Path("bench/results/extend_h200.json"))
@@ -129,11 +132,13 @@ def main() -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
-        prefix, new = (int(x) for x in shape.split(":"))
-        row = bench_shape(prefix, new, new * (prefix + new) <= args.per_row_up_to, configs)
+        sequences, _, pair = shape.rpartition("x")
+        prefix, new = (int(x) for x in pair.split(":"))
+        sequences = int(sequences or 1)
+        row = bench_shape(prefix, new, sequences * new * (prefix + new) <= args.per_row_up_to, configs, sequences)
         results["rows"].append(row)
-        print(f"prefix={prefix} new={new}: " + " ".join(f"{k}={v.get('ms', float('nan')):.4f}ms" for k, v in row.items()
-                                                      if isinstance(v, dict)), flush=True)  # fmt: skip
+        times = " ".join(f"{k}={v.get('ms', float('nan')):.4f}ms" for k, v in row.items() if isinstance(v, dict))
+        print(f"{sequences}x prefix={prefix} new={new}: {times}", flush=True)
         args.output.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.output}")
 

@@ -60,12 +60,12 @@ class LaunchConfig:
     extend_rows: int = 128
     extend_block_n: int = 64
     extend_num_warps: int = 8
-    # Extend without the certificate on FlashAttention over K/V gathered from the pool (kernels/extend_flash.py):
+    # Extend without the certificate on PyTorch's SDPA over K/V gathered from the pool (kernels/extend_sdpa.py):
     # not exact (fp16/bf16 rounding, about 1e-3 relative) and as fast as fp16 attention plus the gather. False
     # keeps every extend on the exact kernels. The gathered K/V are allocated per call, at most this many bytes
     # (else the tiled kernel runs): 2 GiB is 2M keys of 4 KV heads at head_dim 128.
-    extend_flash: bool = True
-    extend_flash_max_bytes: int = 2**31
+    extend_sdpa: bool = True
+    extend_sdpa_max_bytes: int = 2**31
 
     def programs_per_sm(self) -> int:
         """Triton stage-1 programs an SM holds, which the default splits fill (default_num_kv_splits): 65536
@@ -94,7 +94,7 @@ class AttentionOutput:
     """
 
     out: torch.Tensor
-    lse: torch.Tensor
+    lse: torch.Tensor | None  # None from extend on SDPA ("sdpa-gpu"), which returns none
     certificate: torch.Tensor | None
     accumulators: reference.CertificateAccumulators | None
     path: Path
@@ -175,13 +175,10 @@ def _lowest(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x.to(torch.int64).amin(), max=0) if x.numel() else x.new_zeros((), dtype=torch.int64)
 
 
-def _largest(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.int64).amax() if x.numel() else x.new_zeros((), dtype=torch.int64)
-
-
 def _kv_stats(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> list[torch.Tensor]:
     kv = kv_indptr.to(torch.int64)
-    return [kv[0], _lowest(kv[1:] - kv[:-1]), kv[-1], _lowest(kv_indices), _largest(kv_indices)]
+    high = kv_indices.to(torch.int64).amax() if kv_indices.numel() else kv.new_zeros(())
+    return [kv[0], _lowest(kv[1:] - kv[:-1]), kv[-1], _lowest(kv_indices), high]
 
 
 def _raise_for_kv(stats: list[int], num_indices: int, pool: KVPool) -> None:
@@ -203,22 +200,20 @@ def _check_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, pool: KVPoo
 
 def _check_extend_values(
     q: torch.Tensor, pool: KVPool, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-) -> tuple[int, int]:
-    """Extend's checks that read tensor values, in one device synchronisation; returns the most new tokens
-    and the most keys of any sequence."""
+) -> None:
+    """Extend's checks that read tensor values, in one device synchronisation."""
     qo, kv = qo_indptr.to(torch.int64), kv_indptr.to(torch.int64)
     new, keys = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
-    extra = [qo[0], _lowest(new), qo[-1], _lowest(keys - new), _largest(new), _largest(keys)]
-    stats = torch.stack(_kv_stats(kv_indptr, kv_indices) + extra).tolist()
+    stats = torch.stack(_kv_stats(kv_indptr, kv_indices) + [qo[0], _lowest(new), qo[-1], _lowest(keys - new)])
+    stats = stats.tolist()
     _raise_for_kv(stats[:5], kv_indices.numel(), pool)
-    first, step, last, spare, most_new, most_keys = stats[5:]
+    first, step, last, spare = stats[5:]
     if first != 0 or step < 0:
         raise ValueError("qo_indptr must start at 0 and be non-decreasing")
     if last != q.shape[0]:
         raise ValueError(f"qo_indptr[-1] = {last} must equal the number of query rows {q.shape[0]}")
     if spare < 0:
         raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
-    return most_new, most_keys
 
 
 def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -615,19 +610,15 @@ def extend_attention(
         _check_index_tensor(name, x, q.device)
     if qo_indptr.numel() != kv_indptr.numel() or qo_indptr.numel() < 1:
         raise ValueError("qo_indptr and kv_indptr must both have B + 1 entries")
-    from witcert.kernels import extend_flash
+    from witcert.kernels import extend_sdpa
 
-    flash = not certificate and validate is not False and extend_flash.covers(q, pool, kv_indices.numel())
-    if flash or (validate if validate is not None else q.device.type != "cuda"):
-        most_new, most_keys = _check_extend_values(q, pool, qo_indptr, kv_indptr, kv_indices)
-    if flash:
-        attended = extend_flash.attend(
-            q, pool, layer, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale, max_new=most_new, max_keys=most_keys
-        )
-        if attended is not None:
-            out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
-            out.copy_(attended[0])
-            return AttentionOutput(out, attended[1], None, None, "flash-gpu")
+    on_sdpa = not certificate and validate is not False and extend_sdpa.covers(q, pool, kv_indices.numel())
+    if on_sdpa or (validate if validate is not None else q.device.type != "cuda"):
+        _check_extend_values(q, pool, qo_indptr, kv_indptr, kv_indices)
+    if on_sdpa:
+        out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
+        out.copy_(extend_sdpa.attend(q, pool, layer, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale))
+        return AttentionOutput(out, None, None, None, "sdpa-gpu")
     tiled = (
         LAUNCH.extend_tiled
         and select_path(q.device) != "reference"

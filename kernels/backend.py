@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 
 # "gluon-gpu": decode whose stage 1 ran the Gluon kernel (kernels/gluon_decode.py); otherwise "triton-gpu".
-# "flash-gpu": extend without the certificate on FlashAttention over gathered K/V (kernels/extend_flash.py).
-Path = Literal["gluon-gpu", "flash-gpu", "triton-gpu", "triton-interpreter", "reference"]
+# "sdpa-gpu": extend without the certificate on PyTorch's SDPA over gathered K/V (kernels/extend_sdpa.py).
+Path = Literal["gluon-gpu", "sdpa-gpu", "triton-gpu", "triton-interpreter", "reference"]
 
 logger = logging.getLogger("witcert.kernels")
 _announced: set[str] = set()

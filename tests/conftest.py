@@ -23,12 +23,12 @@ def _exact_extend(monkeypatch, tiled: bool) -> None:
     from witcert.kernels.attention import LAUNCH
 
     monkeypatch.setattr(LAUNCH, "extend_tiled", tiled)
-    monkeypatch.setattr(LAUNCH, "extend_flash", False)
+    monkeypatch.setattr(LAUNCH, "extend_sdpa", False)
 
 
 @pytest.fixture
 def tiled_extend(monkeypatch):
-    """Extend on the exact tiled kernel (``LAUNCH.extend_tiled``; on a GPU not FlashAttention), whatever the
+    """Extend on the exact tiled kernel (``LAUNCH.extend_tiled``; on a GPU not SDPA), whatever the
     defaults."""
     _exact_extend(monkeypatch, tiled=True)
 
