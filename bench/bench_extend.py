@@ -11,7 +11,8 @@ SGLang backend's extend calls. Each variant is timed in the same process as the 
   (``sdpa_fp16_eager``: the same, timed eagerly);
 * ``gathered_sdpa``: ``extend_attention`` without the certificate as it runs by default on a GPU: K/V
   gathered from the pool in fp16 (``KVPool.gather``), then SDPA per sequence (``kernels/extend_sdpa.py``);
-  ``gather``: that gather alone;
+  ``gathered_sdpa_bounds``: the same given the offsets on the host (``bounds``, as the SGLang backend
+  passes them), so without a synchronisation; ``gather``: the gather alone;
 * ``tiled``: the exact tiled kernel (``LAUNCH.extend_sdpa = False``, ``LAUNCH.extend_tiled = True``);
 * ``per_row``: the same call with ``LAUNCH.extend_tiled = False``: one decode row per new token;
 * ``tiled_cert``, ``per_row_cert``: the same two with the certificate of every new token;
@@ -39,7 +40,14 @@ from witcert.kernels.attention import LAUNCH
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 
 
-def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, int, int]], sequences: int = 1) -> dict:
+def bench_shape(
+    prefix: int,
+    new: int,
+    per_row: bool,
+    configs: list[tuple[int, int, int]],
+    sequences: int = 1,
+    only: tuple[str, ...] | list[str] = (),
+) -> dict:
     total = prefix + new
     generator = torch.Generator(device="cuda").manual_seed(total)
     pool = KVPool(sequences * total, 1, KV_HEADS, HEAD_DIM, device="cuda")
@@ -58,7 +66,11 @@ def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, i
     mask = causal_lower_right(new, total)
     row: dict = {"sequences": sequences, "prefix": prefix, "new": new}
 
-    def extend(tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None, gathered=False):
+    bounds = (qo_indptr.tolist(), kv_indptr.tolist())
+
+    def extend(
+        tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None, gathered=False, host=False
+    ):
         settings = {"extend_tiled": tiled, "extend_sdpa": gathered}
         if config is not None:
             settings.update(zip(("extend_rows", "extend_block_n", "extend_num_warps"), config, strict=True))
@@ -69,8 +81,9 @@ def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, i
                 for name, value in settings.items():
                     setattr(LAUNCH, name, value)
                 extend_attention(
-                    q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=certificate, out=out
-                )
+                    q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=certificate, out=out,
+                    bounds=bounds if host else None,
+                )  # fmt: skip
             finally:
                 for name, value in saved.items():
                     setattr(LAUNCH, name, value)
@@ -91,9 +104,15 @@ def bench_shape(prefix: int, new: int, per_row: bool, configs: list[tuple[int, i
         variants += [(f"tiled@{tag}", extend(True, False, config)), (f"tiled_cert@{tag}", extend(True, True, config))]
     # The gathered-SDPA path reads offsets on the host (one sync per call), so it cannot be captured in a graph:
     # it is timed eagerly, as SGLang runs prefill, beside SDPA timed the same way.
-    eager = [("gathered_sdpa", extend(True, gathered=True)), ("sdpa_fp16_eager", sdpa)]
+    eager = [
+        ("gathered_sdpa", extend(True, gathered=True)),
+        ("gathered_sdpa_bounds", extend(True, gathered=True, host=True)),
+    ]
+    eager += [("sdpa_fp16_eager", sdpa)]
     for timing, batch in ((triton.testing.do_bench_cudagraph, variants), (triton.testing.do_bench, eager)):
         for name, fn in batch:
+            if only and name not in only:
+                continue
             try:
                 row[name] = {"ms": float(timing(fn, rep=100, return_mode="median"))}
             except Exception as error:  # a backend refusing a shape is a result to report
@@ -110,6 +129,7 @@ def main() -> None:
                         help="time the per-row path only where B * new * (prefix + new) is at most this")  # fmt: skip
     parser.add_argument("--configs", nargs="*", default=[],
                         help="ROWS:BLOCK_N:WARPS tilings of the tiled kernel to time too (default: none)")  # fmt: skip
+    parser.add_argument("--variants", nargs="*", default=[], help="time only these variants (default: all)")
     parser.add_argument("--output", type=Path, default=Path("bench/results/extend_h200.json"))
     args = parser.parse_args()
     try:
@@ -135,7 +155,8 @@ def main() -> None:
         sequences, _, pair = shape.rpartition("x")
         prefix, new = (int(x) for x in pair.split(":"))
         sequences = int(sequences or 1)
-        row = bench_shape(prefix, new, sequences * new * (prefix + new) <= args.per_row_up_to, configs, sequences)
+        per_row = sequences * new * (prefix + new) <= args.per_row_up_to
+        row = bench_shape(prefix, new, per_row, configs, sequences, args.variants)
         results["rows"].append(row)
         times = " ".join(f"{k}={v.get('ms', float('nan')):.4f}ms" for k, v in row.items() if isinstance(v, dict))
         print(f"{sequences}x prefix={prefix} new={new}: {times}", flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -169,51 +170,47 @@ def _check_common(q: torch.Tensor, pool: KVPool, layer: int, delta_step: float, 
         raise ValueError(f"delta_step must be in (0, 1), got {delta_step}")
 
 
-def _lowest(x: torch.Tensor) -> torch.Tensor:
-    """``min(0, min(x))`` on the device, 0 for an empty ``x``: every check below tests ``>= 0``, and all of
-    them are read back at once."""
-    return torch.clamp(x.to(torch.int64).amin(), max=0) if x.numel() else x.new_zeros((), dtype=torch.int64)
-
-
-def _kv_stats(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> list[torch.Tensor]:
-    kv = kv_indptr.to(torch.int64)
-    high = kv_indices.to(torch.int64).amax() if kv_indices.numel() else kv.new_zeros(())
-    return [kv[0], _lowest(kv[1:] - kv[:-1]), kv[-1], _lowest(kv_indices), high]
-
-
-def _raise_for_kv(stats: list[int], num_indices: int, pool: KVPool) -> None:
-    first, step, last, low, high = stats
-    if first < 0:
-        raise ValueError("kv_indptr[0] must be >= 0")
-    if step < 0:
-        raise ValueError("kv_indptr must be non-decreasing")
-    if last > num_indices:
-        raise ValueError(f"kv_indptr[-1] = {last} exceeds len(kv_indices) = {num_indices}")
-    if num_indices and (low < 0 or high >= pool.num_slots):
+def _read_back(
+    pool: KVPool, kv_indices: torch.Tensor, *indptrs: torch.Tensor, slot_range: bool = True
+) -> list[list[int]]:
+    """``indptrs`` as host lists, after checking (with ``slot_range``) that ``kv_indices`` holds slots of the
+    pool: one device synchronisation on the GPU."""
+    parts = [x.to(torch.int64).flatten() for x in indptrs]
+    extremes = slot_range and kv_indices.numel() > 0
+    if extremes:
+        parts.append(torch.stack([kv_indices.amin(), kv_indices.amax()]).to(torch.int64))
+    values = torch.cat(parts).tolist()
+    if extremes and (values[-2] < 0 or values[-1] >= pool.num_slots):
         raise ValueError(f"kv_indices must be slots in [0, {pool.num_slots})")
+    lists, start = [], 0
+    for x in indptrs:
+        lists.append(values[start : start + x.numel()])
+        start += x.numel()
+    return lists
+
+
+def _check_kv_indptr(kv: list[int], num_indices: int) -> None:
+    if kv[0] < 0:
+        raise ValueError("kv_indptr[0] must be >= 0")
+    if any(b < a for a, b in pairwise(kv)):
+        raise ValueError("kv_indptr must be non-decreasing")
+    if kv[-1] > num_indices:
+        raise ValueError(f"kv_indptr[-1] = {kv[-1]} exceeds len(kv_indices) = {num_indices}")
+
+
+def _check_qo_indptr(qo: list[int], kv: list[int], rows: int) -> None:
+    if qo[0] != 0 or any(b < a for a, b in pairwise(qo)):
+        raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+    if qo[-1] != rows:
+        raise ValueError(f"qo_indptr[-1] = {qo[-1]} must equal the number of query rows {rows}")
+    if any(k1 - k0 < q1 - q0 for (q0, q1), (k0, k1) in zip(pairwise(qo), pairwise(kv), strict=True)):
+        raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
 
 
 def _check_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, pool: KVPool) -> None:
     """The checks that read tensor values: one device synchronisation on the GPU."""
-    _raise_for_kv(torch.stack(_kv_stats(kv_indptr, kv_indices)).tolist(), kv_indices.numel(), pool)
-
-
-def _check_extend_values(
-    q: torch.Tensor, pool: KVPool, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-) -> None:
-    """Extend's checks that read tensor values, in one device synchronisation."""
-    qo, kv = qo_indptr.to(torch.int64), kv_indptr.to(torch.int64)
-    new, keys = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
-    stats = torch.stack(_kv_stats(kv_indptr, kv_indices) + [qo[0], _lowest(new), qo[-1], _lowest(keys - new)])
-    stats = stats.tolist()
-    _raise_for_kv(stats[:5], kv_indices.numel(), pool)
-    first, step, last, spare = stats[5:]
-    if first != 0 or step < 0:
-        raise ValueError("qo_indptr must start at 0 and be non-decreasing")
-    if last != q.shape[0]:
-        raise ValueError(f"qo_indptr[-1] = {last} must equal the number of query rows {q.shape[0]}")
-    if spare < 0:
-        raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
+    (kv,) = _read_back(pool, kv_indices, kv_indptr)
+    _check_kv_indptr(kv, kv_indices.numel())
 
 
 def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -592,6 +589,7 @@ def extend_attention(
     out: torch.Tensor | None = None,
     certificate: bool = True,
     validate: bool | None = None,
+    bounds: tuple[list[int], list[int]] | None = None,
 ) -> AttentionOutput:
     """Causal attention of new tokens over a quantized prefix plus themselves, with a certificate per token.
 
@@ -604,6 +602,13 @@ def extend_attention(
     read each K/V tile once per block of 16 new tokens. The others, and every call with
     ``LAUNCH.extend_tiled = False``, run each query token as one row of the decode kernels, which reads its
     prefix in full: the same values and certificates, many more reads for long prompts.
+
+    On a GPU, calls without the certificate run PyTorch's SDPA over the keys and values gathered from the
+    pool instead (``extend_sdpa``; ``LAUNCH.extend_sdpa``): the same attention rounded as half-precision
+    attention is (about 1e-3 relative), as fast as SDPA on an fp16 cache plus the gather, and with ``lse``
+    None. It needs the offsets on the host: ``bounds`` (``qo_indptr`` and ``kv_indptr`` as lists, which an
+    engine has once per batch) saves reading them back, a synchronisation per call. ``validate`` (default:
+    on CPU only) checks every index against the pool; unvalidated, an out-of-range slot gives NaN rows.
     """
     _check_common(q, pool, layer, delta_step, certificate)
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
@@ -612,12 +617,23 @@ def extend_attention(
         raise ValueError("qo_indptr and kv_indptr must both have B + 1 entries")
     from witcert.kernels import extend_sdpa
 
-    on_sdpa = not certificate and validate is not False and extend_sdpa.covers(q, pool, kv_indices.numel())
-    if on_sdpa or (validate if validate is not None else q.device.type != "cuda"):
-        _check_extend_values(q, pool, qo_indptr, kv_indptr, kv_indices)
+    validating = validate if validate is not None else q.device.type != "cuda"
+    on_sdpa = not certificate and extend_sdpa.covers(q, pool, kv_indices.numel())
+    if bounds is not None:
+        qo_host, kv_host = (list(map(int, x)) for x in bounds)
+        if len(qo_host) != qo_indptr.numel() or len(kv_host) != kv_indptr.numel():
+            raise ValueError("bounds must hold qo_indptr and kv_indptr (B + 1 entries each)")
+        if validating:
+            _read_back(pool, kv_indices)
+    elif on_sdpa or validating:
+        # The SDPA path slices each sequence on the host, so it reads the offsets back even unvalidated.
+        qo_host, kv_host = _read_back(pool, kv_indices, qo_indptr, kv_indptr, slot_range=validating)
+    if bounds is not None or on_sdpa or validating:
+        _check_kv_indptr(kv_host, kv_indices.numel())
+        _check_qo_indptr(qo_host, kv_host, q.shape[0])
     if on_sdpa:
         out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
-        out.copy_(extend_sdpa.attend(q, pool, layer, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale))
+        out.copy_(extend_sdpa.attend(q, pool, layer, qo_host, kv_host, kv_indices, sm_scale=sm_scale))
         return AttentionOutput(out, None, None, None, "sdpa-gpu")
     tiled = (
         LAUNCH.extend_tiled

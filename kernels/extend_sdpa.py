@@ -21,6 +21,7 @@ the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -45,32 +46,32 @@ def attend(
     q: torch.Tensor,
     pool: KVPool,
     layer: int,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    qo_indptr: list[int],
+    kv_indptr: list[int],
     kv_indices: torch.Tensor,
     *,
     sm_scale: float | None,
 ) -> torch.Tensor:
-    """``out`` ``[T, H_q, D]`` in q's dtype. The index tensors must have passed extend's checks: SDPA
-    trusts the offsets. Reads them on the host (one synchronisation) and runs one SDPA call per sequence."""
+    """``out`` ``[T, H_q, D]`` in q's dtype, one SDPA call per sequence. The offsets are host lists, checked
+    by ``extend_attention``: SDPA trusts them. A slot out of the pool's range makes its sequence's rows NaN
+    (``KVPool.gather``)."""
     scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     keys, values = pool.gather(layer, kv_indices, q.dtype, validate=False)
     out = torch.empty_like(q)
-    sequences = qo_indptr.numel() - 1
-    bounds = torch.cat([qo_indptr.to(torch.int64), kv_indptr.to(torch.int64)]).tolist()
-    for b in range(sequences):
-        q_lo, q_hi = bounds[b], bounds[b + 1]
-        kv_lo, kv_hi = bounds[sequences + 1 + b], bounds[sequences + 2 + b]
-        if q_hi == q_lo:
+    for (q_lo, q_hi), (kv_lo, kv_hi) in zip(pairwise(qo_indptr), pairwise(kv_indptr), strict=True):
+        new, seen = q_hi - q_lo, kv_hi - kv_lo
+        if new == 0:
             continue
+        # New token i of n sees the first S - n + i + 1 keys: the causal mask aligned bottom-right, which
+        # is the plain causal mask when the sequence has no prefix.
+        mask = {"is_causal": True} if new == seen else {"attn_mask": causal_lower_right(new, seen)}
         attended = F.scaled_dot_product_attention(
             q[q_lo:q_hi].transpose(0, 1).unsqueeze(0),
             keys[kv_lo:kv_hi].transpose(0, 1).unsqueeze(0),
             values[kv_lo:kv_hi].transpose(0, 1).unsqueeze(0),
-            # New token i of n sees the first S - n + i + 1 keys: the causal mask aligned bottom-right.
-            attn_mask=causal_lower_right(q_hi - q_lo, kv_hi - kv_lo),
             scale=scale,
             enable_gqa=True,
+            **mask,
         )
         out[q_lo:q_hi] = attended[0].transpose(0, 1)
     return out

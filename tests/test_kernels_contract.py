@@ -438,6 +438,24 @@ def test_tiled_extend_matches_reference(tiled_extend, q_heads, kv_heads, splits,
             torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
 
 
+def test_extend_takes_host_offsets_and_checks_them(tiled_extend):
+    """``bounds`` (the offsets as host lists, which an engine has once per batch) give the same result, and
+    are checked like the tensors."""
+    pool, kv_indptr, slots = filled_pool([20, 7], kv_heads=2, v_dither=False)
+    qo_indptr = torch.tensor([0, 3, 7], dtype=torch.int32)
+    q = _query(7, 14)
+    plain = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
+    bounds = (qo_indptr.tolist(), kv_indptr.tolist())
+    hosted = extend_attention(
+        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, bounds=bounds
+    )
+    assert torch.equal(plain.out, hosted.out)
+    with pytest.raises(ValueError, match="B \\+ 1 entries each"):
+        extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, bounds=([0, 7], bounds[1]))
+    with pytest.raises(ValueError, match="at least as many KV slots"):
+        extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, bounds=([0, 3, 7], [0, 2, 27]))
+
+
 def test_tiled_extend_poisons_a_malformed_sequence_instead_of_reading_it(tiled_extend):
     """More new tokens than slots (validation off): that sequence's rows are NaN, the others are right."""
     pool, kv_indptr, slots = filled_pool([5, 8], kv_heads=2, v_dither=False)

@@ -194,6 +194,11 @@ def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, monke
     q = _query(104, 28, dtype=dtype)
     gathered = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
     assert gathered.path == "sdpa-gpu" and gathered.certificate is None and gathered.lse is None
+    bounds = (qo_indptr.tolist(), kv_indptr.tolist())
+    with_bounds = extend_attention(
+        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, bounds=bounds
+    )
+    assert torch.equal(with_bounds.out, gathered.out)
     monkeypatch.setattr(LAUNCH, "extend_sdpa", False)
     exact = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
     assert exact.path == "triton-gpu"
@@ -208,21 +213,32 @@ def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, monke
     assert relative_error(gathered.out.cpu(), exact.out.cpu()) < tolerance
 
 
-def test_sdpa_extend_refuses_bad_indices_on_gpu():
-    """The SDPA path reads the offsets on the host, and checks the indices then: SDPA trusts them."""
+def test_sdpa_extend_checks_offsets_and_poisons_bad_slots_on_gpu():
+    """The SDPA path slices sequences by host offsets, which are always checked (SDPA trusts them); a slot
+    outside the pool raises when validated and otherwise makes only its own sequence's rows NaN."""
     pool, kv_indptr, slots = filled_pool([50, 20], kv_heads=4, v_dither=False, device=CUDA)
     q = _query(6, 28)
     qo_indptr = torch.tensor([0, 3, 6], device=CUDA)
     bad_slots = slots.clone()
     bad_slots[4] = pool.num_slots
     with pytest.raises(ValueError, match="kv_indices must be slots"):
-        extend_attention(q, pool, 1, qo_indptr, kv_indptr, bad_slots, delta_step=DELTA, certificate=False)
+        extend_attention(
+            q, pool, 1, qo_indptr, kv_indptr, bad_slots, delta_step=DELTA, certificate=False, validate=True
+        )
+    poisoned = extend_attention(q, pool, 1, qo_indptr, kv_indptr, bad_slots, delta_step=DELTA, certificate=False)
+    assert poisoned.path == "sdpa-gpu"
+    assert torch.isnan(poisoned.out[:3]).all() and torch.isfinite(poisoned.out[3:]).all()
     with pytest.raises(ValueError, match="non-decreasing"):
         extend_attention(q, pool, 1, qo_indptr, kv_indptr.flip(0), slots, delta_step=DELTA, certificate=False)
     with pytest.raises(ValueError, match="at least as many KV slots"):
         extend_attention(
             q, pool, 1, torch.tensor([0, 1, 6], device=CUDA), torch.tensor([0, 50, 53], device=CUDA), slots,
             delta_step=DELTA, certificate=False,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="qo_indptr\\[-1\\]"):
+        extend_attention(
+            q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False,
+            bounds=([0, 3, 5], kv_indptr.tolist()),
         )  # fmt: skip
 
 

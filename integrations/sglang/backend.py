@@ -81,6 +81,9 @@ class WitcertForwardMetadata:
     kv_indices: torch.Tensor
     qo_indptr: torch.Tensor | None  # extend only: query rows of each sequence
     slot_rows: SlotRows | None = None  # gate-mode decode only
+    # Extend only: qo_indptr and kv_indptr on the host, read back once per batch rather than once per layer
+    # (extend_attention's SDPA path slices sequences on the host).
+    extend_bounds: tuple[list[int], list[int]] | None = None
 
 
 class WitcertAttnBackend(AttentionBackend):
@@ -171,14 +174,16 @@ class WitcertAttnBackend(AttentionBackend):
         kv_indptr, kv_indices = self._paging(
             forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.seq_lens_sum
         )
-        qo_indptr = None
+        qo_indptr = extend_bounds = None
         if mode.is_extend():
             qo_indptr = torch.zeros_like(kv_indptr)
             torch.cumsum(forward_batch.extend_seq_lens.to(self.device, torch.int64), 0, out=qo_indptr[1:])
+            offsets = torch.cat((qo_indptr, kv_indptr)).tolist()
+            extend_bounds = (offsets[: qo_indptr.numel()], offsets[qo_indptr.numel() :])
         slot_rows = None
         if mode.is_decode() and self.policy.mode is GateMode.GATE:
             slot_rows = self._slot_rows(kv_indptr, kv_indices)
-        self.forward_metadata = WitcertForwardMetadata(kv_indptr, kv_indices, qo_indptr, slot_rows)
+        self.forward_metadata = WitcertForwardMetadata(kv_indptr, kv_indices, qo_indptr, slot_rows, extend_bounds)
         if mode.is_decode() and self.stream is not None:
             self.stream.poll()
 
@@ -384,5 +389,6 @@ class WitcertAttnBackend(AttentionBackend):
             sm_scale=layer.scaling,
             delta_step=self.delta_step,
             certificate=False,
+            bounds=meta.extend_bounds,
         )
         return result.out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
