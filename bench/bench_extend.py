@@ -12,7 +12,9 @@ SGLang backend's extend calls. Each variant is timed in the same process as the 
 * ``gathered_sdpa``: ``extend_attention`` without the certificate as it runs by default on a GPU: K/V
   gathered from the pool in fp16 (``KVPool.gather``), then SDPA per sequence (``kernels/extend_sdpa.py``);
   ``gathered_sdpa_bounds``: the same given the offsets on the host (``bounds``, as the SGLang backend
-  passes them), so without a synchronisation; ``gather``: the gather alone;
+  passes them), so without a synchronisation; ``per_sequence_bounds`` and ``varlen_bounds``: that with one
+  SDPA call per sequence, and with one ``varlen_attn`` call, whatever the number of sequences;
+  ``gather``: the gather alone;
 * ``tiled``: the exact tiled kernel (``LAUNCH.extend_sdpa = False``, ``LAUNCH.extend_tiled = True``);
 * ``per_row``: the same call with ``LAUNCH.extend_tiled = False``: one decode row per new token;
 * ``tiled_cert``, ``per_row_cert``: the same two with the certificate of every new token;
@@ -69,9 +71,16 @@ def bench_shape(
     bounds = (qo_indptr.tolist(), kv_indptr.tolist())
 
     def extend(
-        tiled: bool, certificate: bool = False, config: tuple[int, int, int] | None = None, gathered=False, host=False
+        tiled: bool,
+        certificate: bool = False,
+        config: tuple[int, int, int] | None = None,
+        gathered: bool = False,
+        host: bool = False,
+        max_calls: int | None = None,
     ):
         settings = {"extend_tiled": tiled, "extend_sdpa": gathered}
+        if max_calls is not None:
+            settings["extend_sdpa_max_calls"] = max_calls
         if config is not None:
             settings.update(zip(("extend_rows", "extend_block_n", "extend_num_warps"), config, strict=True))
 
@@ -108,7 +117,11 @@ def bench_shape(
         ("gathered_sdpa", extend(True, gathered=True)),
         ("gathered_sdpa_bounds", extend(True, gathered=True, host=True)),
     ]
-    eager += [("sdpa_fp16_eager", sdpa)]
+    eager += [
+        ("sdpa_fp16_eager", sdpa),
+        ("per_sequence_bounds", extend(True, gathered=True, host=True, max_calls=2**30)),
+        ("varlen_bounds", extend(True, gathered=True, host=True, max_calls=0)),
+    ]
     for timing, batch in ((triton.testing.do_bench_cudagraph, variants), (triton.testing.do_bench, eager)):
         for name, fn in batch:
             if only and name not in only:

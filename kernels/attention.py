@@ -66,6 +66,8 @@ class LaunchConfig:
     # keeps every extend on the exact kernels. The gathered K/V are allocated per call, at most this many bytes
     # (else the tiled kernel runs): 2 GiB is 2M keys of 4 KV heads at head_dim 128.
     extend_sdpa: bool = True
+    # Batches of more sequences than this take one varlen_attn call instead of one SDPA call per sequence.
+    extend_sdpa_max_calls: int = 4
     extend_sdpa_max_bytes: int = 2**31
 
     def programs_per_sm(self) -> int:

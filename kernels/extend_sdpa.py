@@ -10,9 +10,12 @@ its queries aligned to the end of its keys. It computes the same attention over 
 values, rounded as any fp16 or bf16 attention is (``x_hat`` to the query dtype, the weights before PV):
 about 1e-3 relative against the float32 reference, where the exact kernels reach 1e-5. No LSE comes back.
 
-Session 9 first used ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention 2 over all sequences at
-once): on the H200 with PyTorch 2.11 it took 1.3-1.8 ms where SDPA took 0.21-0.48 ms on the same shapes
-(``bench/results/extend_varlen_h200.json``, ``flash`` against ``sdpa_fp16_eager``).
+One SDPA call per sequence costs about 0.1 ms of host time each (H200, PyTorch 2.11: 16 sequences of 512
+tokens 1.59 ms against 0.09 for one batched SDPA call on an fp16 cache; ``bench/results/extend_sdpa_h200.json``),
+so a batch of more than ``LAUNCH.extend_sdpa_max_calls`` sequences goes to
+``torch.nn.attention.varlen.varlen_attn`` (FlashAttention 2) in one call instead. FlashAttention 2 is slower
+than SDPA's cuDNN kernel on long sequences (one 16k-token prompt 5.9 against 3.5 ms, measured with an extra
+0.85 ms of host overhead since removed; ``bench/results/extend_varlen_h200.json``).
 
 Runs on CUDA devices of compute capability 8.0 or newer, fp16 or bf16 queries, head_dim up to 256, where
 the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
@@ -20,6 +23,7 @@ the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
 
 from __future__ import annotations
 
+import inspect
 import math
 from itertools import pairwise
 
@@ -28,6 +32,11 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from witcert.kernels.pool import KVPool
+
+try:
+    from torch.nn.attention import varlen as _varlen
+except ImportError:  # PyTorch before 2.9
+    _varlen = None
 
 
 def covers(q: torch.Tensor, pool: KVPool, num_keys: int) -> bool:
@@ -52,11 +61,17 @@ def attend(
     *,
     sm_scale: float | None,
 ) -> torch.Tensor:
-    """``out`` ``[T, H_q, D]`` in q's dtype, one SDPA call per sequence. The offsets are host lists, checked
-    by ``extend_attention``: SDPA trusts them. A slot out of the pool's range makes its sequence's rows NaN
-    (``KVPool.gather``)."""
+    """``out`` ``[T, H_q, D]`` in q's dtype. The offsets are host lists, checked by ``extend_attention``: the
+    attention kernels trust them. A slot out of the pool's range makes its sequence's rows NaN
+    (``KVPool.gather``). Up to ``LAUNCH.extend_sdpa_max_calls`` sequences get one SDPA call each; more take
+    one ``varlen_attn`` call for the batch, where this PyTorch has it."""
+    from witcert.kernels.attention import LAUNCH
+
     scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else float(sm_scale)
     keys, values = pool.gather(layer, kv_indices, q.dtype, validate=False)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    if len(qo_indptr) - 1 > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
+        return _attend_varlen(q, keys, values, qo_indptr, kv_indptr, scale)
     out = torch.empty_like(q)
     for (q_lo, q_hi), (kv_lo, kv_hi) in zip(pairwise(qo_indptr), pairwise(kv_indptr), strict=True):
         new, seen = q_hi - q_lo, kv_hi - kv_lo
@@ -75,3 +90,36 @@ def attend(
         )
         out[q_lo:q_hi] = attended[0].transpose(0, 1)
     return out
+
+
+def _attend_varlen(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    qo_indptr: list[int],
+    kv_indptr: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """The whole batch in one ``varlen_attn`` call (FlashAttention 2, causal aligned bottom-right), which
+    costs less than one SDPA call per sequence once there are many of them."""
+    parameters = inspect.signature(_varlen.varlen_attn).parameters
+    options: dict = {"scale": scale}
+    # PyTorch 2.11 names the causal mask by its window; older releases take is_causal.
+    options.update({"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True})
+    group = q.shape[1] // keys.shape[1]
+    if "enable_gqa" in parameters:
+        options["enable_gqa"] = True
+    elif group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    lengths_q = [b - a for a, b in pairwise(qo_indptr)]
+    lengths_k = [b - a for a, b in pairwise(kv_indptr)]
+    return _varlen.varlen_attn(
+        q,
+        keys,
+        values,
+        torch.tensor(qo_indptr, dtype=torch.int32, device=q.device),
+        torch.tensor(kv_indptr, dtype=torch.int32, device=q.device),
+        max(lengths_q),
+        max(lengths_k),
+        **options,
+    )

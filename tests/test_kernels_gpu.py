@@ -181,11 +181,14 @@ def test_gather_is_bit_identical_to_reference_dequantize_on_gpu(dtype):
         assert torch.equal(v_hat, pool.dequantize(1, order, "v").to(dtype))
 
 
+@pytest.mark.parametrize("max_calls", [64, 0], ids=["sdpa-per-sequence", "varlen"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, monkeypatch):
-    """Extend without the certificate on SDPA over the gathered K/V: a prefix hit (causal aligned at
-    the end of the keys), a prompt without a prefix, a single new token, GQA 7:1. Against the float32
-    reference and the exact tiled kernel, at the accuracy of half-precision attention."""
+def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, max_calls, monkeypatch):
+    """Extend without the certificate over the gathered K/V, one SDPA call per sequence or one varlen_attn
+    call: a prefix hit (causal aligned at the end of the keys), a prompt without a prefix, a single new
+    token, GQA 7:1. Against the float32 reference and the exact tiled kernel, at the accuracy of
+    half-precision attention."""
+    monkeypatch.setattr(LAUNCH, "extend_sdpa_max_calls", max_calls)
     prefix, new = [3000, 0, 40], [70, 33, 1]
     pool, kv_indptr, slots = filled_pool(
         [p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, v_dither=False, device=CUDA, dtype=dtype
