@@ -10,12 +10,12 @@ its queries aligned to the end of its keys. It computes the same attention over 
 values, rounded as any fp16 or bf16 attention is (``x_hat`` to the query dtype, the weights before PV):
 about 1e-3 relative against the float32 reference, where the exact kernels reach 1e-5. No LSE comes back.
 
-One SDPA call per sequence costs about 0.1 ms of host time each (H200, PyTorch 2.11: 16 sequences of 512
-tokens 1.59 ms against 0.09 for one batched SDPA call on an fp16 cache; ``bench/results/extend_sdpa_h200.json``),
-so a batch of more than ``LAUNCH.extend_sdpa_max_calls`` sequences goes to
-``torch.nn.attention.varlen.varlen_attn`` (FlashAttention 2) in one call instead. FlashAttention 2 is slower
-than SDPA's cuDNN kernel on long sequences (one 16k-token prompt 5.9 against 3.5 ms, measured with an extra
-0.85 ms of host overhead since removed; ``bench/results/extend_varlen_h200.json``).
+One SDPA call per sequence costs about 0.05 ms of host time each (H200, PyTorch 2.11, ms:
+``bench/results/extend_varlen_h200.json``), so a batch of more than ``LAUNCH.extend_sdpa_max_calls`` (8)
+sequences goes to ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention 2) in one call instead: 16
+sequences of 512 new tokens 0.98 ms per sequence call against 0.53 with varlen, 64 of 128 3.50 against 0.49,
+but 8 of 4096 + 256 0.92 against 1.08. For one sequence varlen is the slower (one 16k-token prompt 6.47
+against 3.67 ms).
 
 Runs on CUDA devices of compute capability 8.0 or newer, fp16 or bf16 queries, head_dim up to 256, where
 the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
