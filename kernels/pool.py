@@ -184,7 +184,7 @@ class KVPool:
             self._write_reference(layer, slots, k, v)
             return
         kernels = kernels_module()
-        for side, (kind, x) in enumerate(zip(SIDES, (k, v), strict=True)):
+        for side, x in enumerate((k, v)):
             x = x.contiguous()
             heads_pad = _pow2(self.kv_heads)
             block_tokens = max(1, _WRITE_ROWS // heads_pad)
@@ -203,18 +203,24 @@ class KVPool:
                 x.stride(1),
                 self.seed,
                 layer,
-                NUM_KV_HEADS=self.kv_heads,
-                HEADS_PAD=heads_pad,
-                KIND_BIT=side,
-                HEAD_DIM=self.head_dim,
-                GROUP_SIZE=self.group_size,
-                DITHER_BITS=self.dither_bits,
-                DITHER=self.dithered(kind),
-                HAS_OUTLIERS=self.num_outliers > 0,
                 OUTLIERS_PAD=max(2, _pow2(self.num_outliers)),
-                NUM_OUTLIERS=max(1, self.num_outliers),
-                BLOCK_T=block_tokens,
+                **self._side_constants(side, heads_pad, block_tokens),
             )
+
+    def _side_constants(self, side: int, heads_pad: int, block_tokens: int) -> dict:
+        """The compile-time parameters the write and gather kernels share for one side of this pool."""
+        return dict(
+            NUM_KV_HEADS=self.kv_heads,
+            HEADS_PAD=heads_pad,
+            KIND_BIT=side,
+            HEAD_DIM=self.head_dim,
+            GROUP_SIZE=self.group_size,
+            DITHER_BITS=self.dither_bits,
+            DITHER=self.dithered(SIDES[side]),
+            HAS_OUTLIERS=self.num_outliers > 0,
+            NUM_OUTLIERS=max(1, self.num_outliers),
+            BLOCK_T=block_tokens,
+        )
 
     def dither_fields(self, layer: int, slots: torch.Tensor, kind: reference.Kind, kv_head: int) -> torch.Tensor:
         """The dither fields ``[N, D]`` (int32) the Triton kernels regenerate for one head: what
@@ -312,7 +318,7 @@ class KVPool:
         heads_pad = _pow2(self.kv_heads)
         block_tokens = max(1, _WRITE_ROWS // heads_pad)
         sides = []
-        for side, kind in enumerate(SIDES):
+        for side in range(len(SIDES)):
             out = torch.empty(slots.shape[0], self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
             if slots.numel():
                 triton_gather._gather_dequantize[(triton_cdiv(slots.shape[0], block_tokens),)](
@@ -326,16 +332,7 @@ class KVPool:
                     self.num_slots,
                     self.seed,
                     layer,
-                    NUM_KV_HEADS=self.kv_heads,
-                    HEADS_PAD=heads_pad,
-                    KIND_BIT=side,
-                    HEAD_DIM=self.head_dim,
-                    GROUP_SIZE=self.group_size,
-                    DITHER_BITS=self.dither_bits,
-                    DITHER=self.dithered(kind),
-                    HAS_OUTLIERS=self.num_outliers > 0,
-                    NUM_OUTLIERS=max(1, self.num_outliers),
-                    BLOCK_T=block_tokens,
+                    **self._side_constants(side, heads_pad, block_tokens),
                 )
             sides.append(out)
         return sides[0], sides[1]

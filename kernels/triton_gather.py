@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from witcert.kernels.triton_kernels import _FP32_INF, _by_channel, dither_rows
+from witcert.kernels.triton_kernels import _FP32_INF, _by_channel, dither_rows, token_head_rows
 
 
 @triton.jit
@@ -43,11 +43,7 @@ def _gather_dequantize(
     writes NaN: unvalidated input gives a visibly wrong row, never a fault or a plausible one."""
     rows: tl.constexpr = BLOCK_T * HEADS_PAD
     num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    row = tl.arange(0, rows)
-    tokens = tl.program_id(0) * BLOCK_T + row // HEADS_PAD
-    head = row % HEADS_PAD
-    row_ok = (tokens < num_tokens) & (head < NUM_KV_HEADS)
-    slots = tl.load(Slots + tokens, mask=row_ok, other=0).to(tl.int64)
+    tokens, head, row_ok, slots = token_head_rows(Slots, num_tokens, NUM_KV_HEADS, HEADS_PAD, BLOCK_T)
     slot_ok = (slots >= 0) & (slots < num_slots)
     slots = tl.where(row_ok & slot_ok, slots, 0)
     head = tl.where(row_ok, head, 0)

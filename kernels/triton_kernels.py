@@ -293,6 +293,17 @@ def _by_channel(per_group, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE
 
 
 @triton.jit
+def token_head_rows(Slots, num_tokens, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program's rows ``(token, head)`` over ``BLOCK_T`` tokens, head fastest: ``(tokens, head, row_ok,
+    slots)``, the slots (int64) as loaded, 0 where ``row_ok`` is false (past the end or a padding head)."""
+    row = tl.arange(0, BLOCK_T * HEADS_PAD)
+    tokens = tl.program_id(0) * BLOCK_T + row // HEADS_PAD
+    head = row % HEADS_PAD
+    row_ok = (tokens < num_tokens) & (head < NUM_KV_HEADS)
+    return tokens, head, row_ok, tl.load(Slots + tokens, mask=row_ok, other=0).to(tl.int64)
+
+
+@triton.jit
 def dither_rows(
     seed, slots, layer, head, KIND_BIT: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     DITHER_BITS: tl.constexpr,
@@ -354,11 +365,7 @@ def _write_kernel(
     """
     rows: tl.constexpr = BLOCK_T * HEADS_PAD
     num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    row = tl.arange(0, rows)
-    tokens = tl.program_id(0) * BLOCK_T + row // HEADS_PAD
-    head = row % HEADS_PAD
-    row_ok = (tokens < num_tokens) & (head < NUM_KV_HEADS)
-    slots = tl.load(Slots + tokens, mask=row_ok, other=0).to(tl.int64)
+    tokens, head, row_ok, slots = token_head_rows(Slots, num_tokens, NUM_KV_HEADS, HEADS_PAD, BLOCK_T)
     # An out-of-range slot is skipped, never written: unvalidated input cannot corrupt the pool.
     row_ok = row_ok & (slots >= 0) & (slots < num_slots)
     slots = tl.where(row_ok, slots, 0)

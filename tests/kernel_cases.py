@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -110,6 +111,26 @@ def oracle(
         delta_step=delta,
         skip=None if skip is None else skip.cpu()[slots.cpu()],
     )
+
+
+def extend_oracle(
+    q: torch.Tensor,
+    pool: KVPool,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    slots: torch.Tensor,
+    prefix: list[int],
+    row: int,
+    *,
+    delta: float,
+) -> reference.DecodeResult:
+    """The reference for new token ``row`` of an extend batch over layer 1: its query over the keys it sees
+    (its sequence's ``prefix`` and the new tokens up to itself)."""
+    starts = qo_indptr.tolist()
+    sequence = bisect.bisect_right(starts, row) - 1
+    first = int(kv_indptr[sequence])
+    visible = slots[first : first + prefix[sequence] + row - starts[sequence] + 1]
+    return oracle(q[row], pool, 1, visible, delta=delta)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from kernel_cases import (  # noqa: E402
     assert_matches_oracle,
+    extend_oracle,
     far_token_case,
     filled_pool,
     oracle,
@@ -400,11 +401,7 @@ def test_extend_over_a_quantized_prefix_is_causal_and_matches_reference(per_row_
     q = _query(7, 14)
     result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, num_kv_splits=2)
     for row in range(7):
-        sequence = 0 if row < 3 else 1
-        position = row - int(qo_indptr[sequence])
-        start = int(kv_indptr[sequence])
-        visible = slots[start : start + prefix[sequence] + position + 1]
-        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5
         torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
 
@@ -427,11 +424,7 @@ def test_tiled_extend_matches_reference(tiled_extend, q_heads, kv_heads, splits,
     )
     assert result.path == "triton-interpreter" and (result.certificate is not None) == certificate
     for row in range(24):
-        sequence = 0 if row < 3 else (1 if row < 23 else 2)
-        position = row - int(qo_indptr[sequence])
-        start = int(kv_indptr[sequence])
-        visible = slots[start : start + prefix[sequence] + position + 1]
-        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5, row
         torch.testing.assert_close(result.lse[row], expected.lse, rtol=1e-6, atol=1e-5)
         if certificate:

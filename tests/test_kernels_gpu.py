@@ -6,7 +6,14 @@ import math
 
 import pytest
 import torch
-from kernel_cases import assert_matches_oracle, far_token_case, filled_pool, oracle, relative_error
+from kernel_cases import (
+    assert_matches_oracle,
+    extend_oracle,
+    far_token_case,
+    filled_pool,
+    oracle,
+    relative_error,
+)
 
 from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, extend_attention, reference
 from witcert.kernels.attention import LAUNCH, gluon_supports
@@ -138,33 +145,42 @@ def test_extend_matches_reference_on_gpu(per_row_extend):
     q = _query(23, 28)
     result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA)
     for row in (0, 4, 5, 21, 22):
-        sequence = 0 if row < 5 else (1 if row < 22 else 2)
-        position = row - int(qo_indptr[sequence])
-        start = int(kv_indptr[sequence])
-        visible = slots[start : start + prefix[sequence] + position + 1]
-        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5
         torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
+
+
+_PREFILL_PREFIX = [3000, 0, 40]
+_PREFILL_ROWS = (0, 17, 69, 70, 90, 102, 103)
+
+
+def _prefill_batch(dtype: torch.dtype):
+    """``(prefix, pool, qo_indptr, kv_indptr, slots, q)``: a prefix hit of 70 new tokens over 3000 cached
+    ones, a 33-token prompt without a prefix and one new token over 40, Qwen2.5-7B's heads, V nearest."""
+    new = [70, 33, 1]
+    pool, kv_indptr, slots = filled_pool(
+        [p + n for p, n in zip(_PREFILL_PREFIX, new, strict=True)], kv_heads=4, v_dither=False, device=CUDA,
+        dtype=dtype,
+    )  # fmt: skip
+    return (
+        _PREFILL_PREFIX,
+        pool,
+        torch.tensor([0, 70, 103, 104], device=CUDA),
+        kv_indptr,
+        slots,
+        _query(104, 28, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("certificate", [False, True], ids=["no-certificate", "certificate"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_tiled_extend_matches_reference_on_gpu(tiled_extend, dtype, certificate):
     """Extend on the tiled kernel: several blocks per sequence, a long prefix, with and without the certificate."""
-    prefix, new = [3000, 0, 40], [70, 33, 1]
-    pool, kv_indptr, slots = filled_pool(
-        [p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, v_dither=False, device=CUDA, dtype=dtype
-    )
-    qo_indptr = torch.tensor([0, 70, 103, 104], device=CUDA)
-    q = _query(104, 28, dtype=dtype)
+    prefix, pool, qo_indptr, kv_indptr, slots, q = _prefill_batch(dtype)
     result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=certificate)
     assert result.path == "triton-gpu"
-    for row in (0, 17, 69, 70, 90, 102, 103):
-        sequence = 0 if row < 70 else (1 if row < 103 else 2)
-        position = row - int(qo_indptr[sequence])
-        start = int(kv_indptr[sequence])
-        visible = slots[start : start + prefix[sequence] + position + 1]
-        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+    for row in _PREFILL_ROWS:
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
         assert relative_error(result.out[row], expected.out) < 1e-5, row
         if certificate:
             torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
@@ -189,12 +205,7 @@ def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, max_c
     token, GQA 7:1. Against the float32 reference and the exact tiled kernel, at the accuracy of
     half-precision attention."""
     monkeypatch.setattr(LAUNCH, "extend_sdpa_max_calls", max_calls)
-    prefix, new = [3000, 0, 40], [70, 33, 1]
-    pool, kv_indptr, slots = filled_pool(
-        [p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, v_dither=False, device=CUDA, dtype=dtype
-    )
-    qo_indptr = torch.tensor([0, 70, 103, 104], device=CUDA)
-    q = _query(104, 28, dtype=dtype)
+    prefix, pool, qo_indptr, kv_indptr, slots, q = _prefill_batch(dtype)
     gathered = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
     assert gathered.path == "sdpa-gpu" and gathered.certificate is None and gathered.lse is None
     bounds = (qo_indptr.tolist(), kv_indptr.tolist())
@@ -206,12 +217,8 @@ def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, max_c
     exact = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
     assert exact.path == "triton-gpu"
     tolerance = 4e-3 if dtype == torch.float16 else 2e-2
-    for row in (0, 17, 69, 70, 90, 102, 103):
-        sequence = 0 if row < 70 else (1 if row < 103 else 2)
-        position = row - int(qo_indptr[sequence])
-        start = int(kv_indptr[sequence])
-        visible = slots[start : start + prefix[sequence] + position + 1]
-        expected = oracle(q[row], pool, 1, visible, delta=DELTA)
+    for row in _PREFILL_ROWS:
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
         assert relative_error(gathered.out[row], expected.out) < tolerance, row
     assert relative_error(gathered.out.cpu(), exact.out.cpu()) < tolerance
 
