@@ -135,7 +135,9 @@ def bench_shape(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["0:4096", "16384:512", "32768:128"],
+    parser.add_argument("--shapes", nargs="+",
+                        default=["16384:512", "0:4096", "32768:128", "0:16384", "2x8192:512", "4x0:2048", "8x4096:256",
+                                 "16x0:512", "64x0:128"],
                         help="[Bx]PREFIX:NEW: B sequences (default 1) of PREFIX cached and NEW new tokens "
                              "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--per-row-up-to", type=int, default=2**26,

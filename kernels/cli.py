@@ -15,8 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "selftest",
         help="check the kernels against the reference on this machine",
         description=(
-            "Writes random K/V into a small quantized pool and runs one decode step with mixed sequence "
-            "lengths, comparing codes, output and certificate with the reference. Prints which path ran "
+            "Writes random K/V into a small quantized pool, gathers it back dequantized and runs one decode "
+            "step with mixed sequence lengths, comparing codes, dequantized values, output and certificate "
+            "with the reference. Prints which path ran "
             "(GPU Triton, the Triton interpreter on CPU, or the reference) and the largest errors; exits 1 "
             "if a tolerance is exceeded."
         ),
@@ -77,13 +78,21 @@ def run_selftest(seed: int) -> int:
         )
         out_error = max(out_error, float((result.out[row].cpu() - oracle.out).norm() / oracle.out.norm()))
         cert_error = max(cert_error, float(((result.certificate[row].cpu() / oracle.certificate) - 1).abs().max()))
+    # The gather (prefill's keys and values on a GPU) against the reference's x_hat rounded to fp16.
+    k_hat, v_hat = pool.gather(1, slots)
+    gather_mismatches = sum(
+        int((got.cpu() != pool.dequantize(1, slots, kind).half().cpu()).sum())
+        for kind, got in (("k", k_hat), ("v", v_hat))
+    )
     path = select_path(device)
     print(f"path: {path} ({'GPU ' + torch.cuda.get_device_name() if on_gpu else 'CPU'})")
     print(
         f"write: {code_mismatches} code mismatches of {expected.codes.numel()}; dither: {dither_mismatches} mismatches"
     )
+    print(f"gather: {gather_mismatches} mismatches of {k_hat.numel() + v_hat.numel()}")
     print(f"decode: max relative error out {out_error:.2e} (tolerance 1e-5), certificate {cert_error:.2e} (1e-4)")
-    ok = code_mismatches == 0 and dither_mismatches == 0 and out_error <= 1e-5 and cert_error <= 1e-4
+    exact = code_mismatches == 0 and dither_mismatches == 0 and gather_mismatches == 0
+    ok = exact and out_error <= 1e-5 and cert_error <= 1e-4
     print("selftest " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 
