@@ -10,7 +10,9 @@ of values (slot range, ``kv_indptr`` monotone and within ``kv_indices``) synchro
 so ``validate=None`` makes them on CPU only; on the GPU the kernel itself refuses a malformed row
 (out-of-range slot, negative length, indices past the end): it reads nothing there and writes NaN
 into that row's ``out``, ``lse`` and ``certificate``, which the telemetry counts as a kernel fault.
-Nothing is ever read out of bounds. Pass ``validate=True`` to get a ``ValueError`` instead.
+Nothing is ever read out of bounds. Pass ``validate=True`` to get a ``ValueError`` instead. Extend on
+PyTorch's SDPA (GPU, no certificate; ``extend_sdpa``) slices sequences on the host, so its offsets are
+always checked there, read back once per call unless the caller passes them as ``bounds``.
 """
 
 from __future__ import annotations

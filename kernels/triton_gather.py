@@ -1,9 +1,9 @@
 """Triton kernel: gather stored tokens from the pool and dequantize them into a dense K or V tensor.
 
 ``x_hat = s * (code - xi)`` in float32 with outlier channels restored, rounded once to the output dtype:
-bit-identical to ``reference.QuantizedKV.dequantize()`` followed by ``.to(dtype)``. The extend path that
-hands prefill to a flash-attention kernel (``attention.extend_attention``) reads its keys and values from
-here. Covers every pool: 8-, 16- and 24-bit dithers, dithered or nearest sides, outlier channels.
+bit-identical to ``reference.QuantizedKV.dequantize()`` followed by ``.to(dtype)``. Extend without the
+certificate on a GPU (``extend_sdpa``) reads its keys and values from here. Covers every pool: 8-, 16- and
+24-bit dithers, dithered or nearest sides, outlier channels.
 Imported lazily, like ``triton_kernels``.
 """
 

@@ -20,7 +20,9 @@ buffers ``[L, B_max, H_q]``; when the last layer of the step has written, this T
 When a collector is configured, the counts stream out over OTLP with the rank as a resource attribute.
 
 Extend (prefill, chunked prefill, prefix-cache hits): causal attention over the int8 pool
-(``witcert.kernels.extend_attention``) without a certificate; only decode steps are certified.
+(``witcert.kernels.extend_attention``) without a certificate; only decode steps are certified. On a GPU
+that is PyTorch's SDPA over the K/V gathered from the pool, with the batch's offsets read back once per
+batch (``init_forward_metadata``), not once per layer.
 """
 
 from __future__ import annotations
