@@ -614,7 +614,7 @@ def extend_attention(
     attention is (about 1e-3 relative), as fast as SDPA on an fp16 cache plus the gather, and with ``lse``
     None. It needs the offsets on the host: ``bounds`` (``qo_indptr`` and ``kv_indptr`` as lists, which an
     engine has once per batch) saves reading them back, a synchronisation per call. ``validate`` (default:
-    on CPU only) checks every index against the pool; unvalidated, an out-of-range slot gives NaN rows.
+    on CPU only) checks every index against the pool; unvalidated, an out-of-range slot makes the rows that see it NaN.
     """
     _check_common(q, pool, layer, delta_step, certificate)
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):

@@ -62,7 +62,7 @@ def attend(
     sm_scale: float | None,
 ) -> torch.Tensor:
     """``out`` ``[T, H_q, D]`` in q's dtype. The offsets are host lists, checked by ``extend_attention``: the
-    attention kernels trust them. A slot out of the pool's range makes its sequence's rows NaN
+    attention kernels trust them. A slot out of the pool's range makes the rows that see it NaN
     (``KVPool.gather``). Up to ``LAUNCH.extend_sdpa_max_calls`` sequences get one SDPA call each; more take
     one ``varlen_attn`` call for the batch, where this PyTorch has it."""
     from witcert.kernels.attention import LAUNCH
