@@ -67,7 +67,7 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     assert not gluon_decode.supports(**{**shape, "v_dither": True}, rows=1)
 
 
-@pytest.mark.parametrize("name", ["philox7", "nophilox", "blockradius", "both", "qshared"])
+@pytest.mark.parametrize("name", ["philox7", "nophilox", "blockradius", "both", "qshared", "halfpv"])
 def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
     """bench/whatif_stage1.py edits the kernel's text; each edit must still find its anchor, or the what-if
     timings in docs/KERNELS.md could not be reproduced."""
@@ -87,6 +87,8 @@ def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
         assert "g_of(radius, True)" not in edited
     if name == "qshared":
         assert "q_ops[g].load(_OP_B)" in edited
+    if name == "halfpv":
+        assert "fma.rn.f16x2" not in edited and "mma_v2(v_hi, p_mid" not in edited
     compile(edited, f"whatif_{name}", "exec")
 
 
