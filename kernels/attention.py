@@ -94,7 +94,8 @@ _sm_count: dict[int, int] = {}
 
 @dataclass
 class AttentionOutput:
-    """``out`` ``[R, H_q, D]``, ``lse`` ``[R, H_q]``; with the certificate, its value and accumulators ``[R, H_q]``.
+    """``out`` ``[R, H_q, D]``, ``lse`` ``[R, H_q]`` (None from extend on SDPA); with the certificate, its value
+    and accumulators ``[R, H_q]``.
 
     ``R`` is the batch for decode and the number of query tokens for extend. ``accumulators`` holds
     ``reference.CertificateAccumulators`` merged over the splits (``None`` without the certificate).
@@ -185,7 +186,7 @@ def _read_back(
     extremes = slot_range and kv_indices.numel() > 0
     if extremes:
         parts.append(torch.stack([kv_indices.amin(), kv_indices.amax()]).to(torch.int64))
-    values = torch.cat(parts).tolist()
+    values = torch.cat(parts).tolist() if parts else []
     if extremes and (values[-2] < 0 or values[-1] >= pool.num_slots):
         raise ValueError(f"kv_indices must be slots in [0, {pool.num_slots})")
     lists, start = [], 0
@@ -614,7 +615,8 @@ def extend_attention(
     attention is (about 1e-3 relative), as fast as SDPA on an fp16 cache plus the gather, and with ``lse``
     None. It needs the offsets on the host: ``bounds`` (``qo_indptr`` and ``kv_indptr`` as lists, which an
     engine has once per batch) saves reading them back, a synchronisation per call. ``validate`` (default:
-    on CPU only) checks every index against the pool; unvalidated, an out-of-range slot makes the rows that see it NaN.
+    on CPU only) checks every index against the pool; unvalidated, an out-of-range slot makes the rows that
+    see it NaN.
     """
     _check_common(q, pool, layer, delta_step, certificate)
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):

@@ -447,6 +447,10 @@ def test_extend_takes_host_offsets_and_checks_them(tiled_extend):
         extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, bounds=([0, 7], bounds[1]))
     with pytest.raises(ValueError, match="at least as many KV slots"):
         extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, bounds=([0, 3, 7], [0, 2, 27]))
+    # An empty batch: nothing to read back or to check against the pool.
+    empty = torch.tensor([0, 0], dtype=torch.int32)
+    nothing = extend_attention(q[:0], pool, 1, empty, empty, slots[:0], delta_step=DELTA, bounds=([0, 0], [0, 0]))
+    assert nothing.out.shape == (0, 14, 128)
 
 
 def test_tiled_extend_poisons_a_malformed_sequence_instead_of_reading_it(tiled_extend):
