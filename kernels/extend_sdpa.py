@@ -17,8 +17,11 @@ sequences of 512 new tokens 0.98 ms per sequence call against 0.53 with varlen, 
 but 8 of 4096 + 256 0.92 against 1.08. For one sequence varlen is the slower (one 16k-token prompt 6.47
 against 3.67 ms).
 
-Runs on CUDA devices of compute capability 8.0 or newer, fp16 or bf16 queries, head_dim up to 256, where
-the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
+Runs on CUDA devices of compute capability 8.0 or newer, queries in the pool's dtype (fp16 or bf16),
+head_dim up to 256, where the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
+An fp16 key within 1% of fp16's largest value can dequantize past it (``x_hat`` reaches ``127.5 s`` with
+``s >= amax / 126.5``); it then becomes inf and the rows that see it NaN, where the exact kernels, which
+keep logits in float32, still compute them.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def covers(q: torch.Tensor, pool: KVPool, num_keys: int) -> bool:
 
     if not LAUNCH.extend_sdpa or q.device.type != "cuda" or q.shape[0] == 0:
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[2] > 256 or q.shape[2] % 8:
+    # The model's own dtype only: a bf16 pool's values can exceed fp16's range.
+    if q.dtype != pool.dtype or q.shape[2] > 256 or q.shape[2] % 8:
         return False
     gathered = 2 * num_keys * pool.kv_heads * pool.head_dim * q.element_size()
     return gathered <= LAUNCH.extend_sdpa_max_bytes and torch.cuda.get_device_capability(q.device)[0] >= 8
