@@ -13,8 +13,8 @@ certificates or outputs that differ from the reference), so they never run outsi
 * ``both``: ``philox7`` and ``blockradius``;
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
   ``fp16(s * code)`` against ``fp16(2**14 p)`` in one MMA per channel half, without the exact ``v_hi + v_lo``
-  and ``p_hi + p_mid`` splits (three MMAs). The certificate is unchanged; the output's error grows to about
-  1e-3 relative;
+  and ``p_hi + p_mid`` splits (three MMAs). The certificate is unchanged; the output rounds as half-precision
+  attention does;
 * ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
   read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
   certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
