@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 from pathlib import Path
 
 import torch
 import triton
+from run_info import gpu_run_info
 from torch.nn.attention.bias import causal_lower_right
 
 from witcert.kernels import KVPool, extend_attention
@@ -157,11 +156,7 @@ def main() -> None:
         parser.error("needs a CUDA device")
     results = {
         "method": __doc__,
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **gpu_run_info(),
         "launch": dict(LAUNCH.__dict__),
         "rows": [],
     }

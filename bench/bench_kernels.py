@@ -27,13 +27,12 @@ import argparse
 import importlib.util
 import json
 import math
-import platform
-import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import triton
+from run_info import gpu_run_info
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import witcert.kernels
@@ -252,11 +251,7 @@ def main() -> None:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     results = {
         "method": __doc__,
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **gpu_run_info(),
         "copy_tbps": copy_bandwidth(),
         "write": bench_write(),
         "baseline_stage1": str(args.baseline_stage1) if baseline else None,

@@ -487,7 +487,7 @@ def _dispatch(
     skip: torch.Tensor | None = None,
 ) -> AttentionOutput:
     rows, num_q_heads, head_dim = q.shape
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    sm_scale = reference.softmax_scale(sm_scale, head_dim)
     out = _prepare_out(out, rows, num_q_heads, head_dim, q.device)
     path = select_path(q.device)
     if path == "reference" or pool.dither_bits != 8:
@@ -643,7 +643,8 @@ def extend_attention(
         _check_qo_indptr(qo_host, kv_host, q.shape[0])
     if on_sdpa:
         out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
-        out.copy_(extend_sdpa.attend(q, pool, layer, qo_host, kv_host, kv_indices, sm_scale=sm_scale))
+        scale = reference.softmax_scale(sm_scale, q.shape[2])
+        out.copy_(extend_sdpa.attend(q, pool, layer, qo_host, kv_host, kv_indices, sm_scale=scale))
         return AttentionOutput(out, None, None, None, "sdpa-gpu")
     tiled = (
         LAUNCH.extend_tiled
@@ -710,7 +711,7 @@ def _run_extend_tiled(
     from witcert.kernels import triton_extend
 
     tokens, num_q_heads, head_dim = q.shape
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    sm_scale = reference.softmax_scale(sm_scale, head_dim)
     out = _prepare_out(out, tokens, num_q_heads, head_dim, q.device)
     device = q.device
     kv_group = num_q_heads // pool.kv_heads
@@ -818,7 +819,7 @@ def decode_attention_fp16(
     block_h = max(16, _pow2(kv_group))
     head_blocks = kv_heads * -(-kv_group // block_h)
     splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows * head_blocks, q.device)
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    sm_scale = reference.softmax_scale(sm_scale, head_dim)
     out = _prepare_out(out, rows, num_q_heads, head_dim, q.device)
     part_out = torch.empty(rows, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows, num_q_heads, splits, dtype=torch.float32, device=q.device)

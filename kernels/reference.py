@@ -565,6 +565,11 @@ def _kv_head_of_query(num_q_heads: int, num_kv_heads: int, device) -> torch.Tens
     return torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads)
 
 
+def softmax_scale(sm_scale: float | None, head_dim: int) -> float:
+    """The logits' scale: ``sm_scale``, or ``1 / sqrt(head_dim)`` when it is None."""
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
 def decode_attention(
     q: torch.Tensor,
     k: QuantizedKV,
@@ -595,7 +600,7 @@ def decode_attention(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q = q.to(dtype)
     num_q_heads, head_dim = q.shape
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    sm_scale = softmax_scale(sm_scale, head_dim)
     kv_head = _kv_head_of_query(num_q_heads, k.num_kv_heads, q.device)
 
     k_hat = k.dequantize(dtype)[:, kv_head, :]  # [S, H_q, D]
