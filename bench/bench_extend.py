@@ -1,19 +1,23 @@
 """Extend (prefill over a quantized prefix) on one GPU: each path of extend_attention against fp16 SDPA.
 
-Method: Qwen2.5-7B shape (28 query heads, 4 KV heads, head_dim 128), one layer, one sequence of ``prefix``
-cached tokens and ``new`` new ones, K dithered and V rounded to nearest; without the certificate is what the
-SGLang backend's extend calls. Each variant is timed in the same process as the median of CUDA-graph replays
-(``triton.testing.do_bench_cudagraph``), except ``gathered_sdpa`` and ``sdpa_fp16_eager``, timed eagerly
-(``triton.testing.do_bench``; the gathered-SDPA path synchronises once per call):
+Method: Qwen2.5-7B shape (28 query heads, 4 KV heads, head_dim 128), one layer, ``B`` sequences of ``prefix``
+cached tokens and ``new`` new ones each (shape ``BxPREFIX:NEW``), or, for a mixed batch (``Bx~PREFIX:NEW``),
+lengths spread evenly from half to 1.5 times those (``sequence_shapes``); K dithered and V rounded to nearest;
+without the certificate is what the SGLang backend's extend calls. Each variant is timed in the same process
+as the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), except the gathered-SDPA ones and
+``sdpa_fp16_eager``, timed eagerly (``triton.testing.do_bench``; without ``bounds`` the gathered-SDPA path
+synchronises once per call):
 
 * ``sdpa_fp16``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous fp16 K/V with the
-  bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), PyTorch's choice of backend
-  (``sdpa_fp16_eager``: the same, timed eagerly);
+  bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), the batch in one call, PyTorch's
+  choice of backend; for a mixed batch one ``varlen_attn`` call (FlashAttention 2) instead, its K/V repeated
+  per query head outside the timing where PyTorch's varlen has no GQA (``sdpa_fp16_eager``: the same, timed
+  eagerly);
 * ``gathered_sdpa``: ``extend_attention`` without the certificate as it runs by default on a GPU: K/V
-  gathered from the pool in fp16 (``KVPool.gather``), then SDPA per sequence (``kernels/extend_sdpa.py``);
+  gathered from the pool in fp16 (``KVPool.gather``), then SDPA per run of equal sequences (``kernels/extend_sdpa.py``);
   ``gathered_sdpa_bounds``: the same given the offsets on the host (``bounds``, as the SGLang backend
   passes them), so without a synchronisation; ``per_sequence_bounds`` and ``varlen_bounds``: that with one
-  SDPA call per sequence, and with one ``varlen_attn`` call, whatever the number of sequences;
+  SDPA call per run, and with one ``varlen_attn`` call, whatever the number of runs;
   ``gather``: the gather alone;
 * ``tiled``: the exact tiled kernel (``LAUNCH.extend_sdpa = False``, ``LAUNCH.extend_tiled = True``);
 * ``per_row``: the same call with ``LAUNCH.extend_tiled = False``: one decode row per new token;
@@ -27,6 +31,8 @@ Writes a JSON results file; prints one line per shape.
 from __future__ import annotations
 
 import argparse
+import inspect
+import itertools
 import json
 from pathlib import Path
 
@@ -34,6 +40,7 @@ import torch
 import triton
 from run_info import gpu_run_info
 from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.varlen import varlen_attn
 
 from witcert.kernels import KVPool, extend_attention
 from witcert.kernels.attention import LAUNCH
@@ -48,24 +55,35 @@ def bench_shape(
     configs: list[tuple[int, int, int]],
     sequences: int = 1,
     only: tuple[str, ...] | list[str] = (),
+    mixed: bool = False,
 ) -> dict:
-    total = prefix + new
-    generator = torch.Generator(device="cuda").manual_seed(total)
-    pool = KVPool(sequences * total, 1, KV_HEADS, HEAD_DIM, device="cuda")
-    k = torch.randn(sequences * total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
-    v = torch.randn(sequences * total, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
-    pool.write(0, torch.arange(sequences * total, device="cuda"), k, v, validate=False)
-    q = torch.randn(sequences * new, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
-    qo_indptr = torch.arange(sequences + 1, device="cuda", dtype=torch.int32) * new
-    kv_indptr = torch.arange(sequences + 1, device="cuda", dtype=torch.int32) * total
-    slots = torch.arange(sequences * total, device="cuda", dtype=torch.int32)
-    out = torch.empty(sequences * new, Q_HEADS, HEAD_DIM, device="cuda")
-    # SDPA batches the equal-length sequences: [B, H, new, D] against [B, H_kv, total, D].
-    q_sdpa = q.view(sequences, new, Q_HEADS, HEAD_DIM).transpose(1, 2)
-    k_sdpa = k.view(sequences, total, KV_HEADS, HEAD_DIM).transpose(1, 2)
-    v_sdpa = v.view(sequences, total, KV_HEADS, HEAD_DIM).transpose(1, 2)
-    mask = causal_lower_right(new, total)
-    row: dict = {"sequences": sequences, "prefix": prefix, "new": new}
+    prefixes, news = sequence_shapes(prefix, new, sequences, mixed)
+    totals = [p + n for p, n in zip(prefixes, news, strict=True)]
+    generator = torch.Generator(device="cuda").manual_seed(prefix + new)
+    pool = KVPool(sum(totals), 1, KV_HEADS, HEAD_DIM, device="cuda")
+    k = torch.randn(sum(totals), KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    v = torch.randn(sum(totals), KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    pool.write(0, torch.arange(sum(totals), device="cuda"), k, v, validate=False)
+    q = torch.randn(sum(news), Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
+    qo_indptr = torch.tensor([0, *itertools.accumulate(news)], device="cuda", dtype=torch.int32)
+    kv_indptr = torch.tensor([0, *itertools.accumulate(totals)], device="cuda", dtype=torch.int32)
+    slots = torch.arange(sum(totals), device="cuda", dtype=torch.int32)
+    out = torch.empty(sum(news), Q_HEADS, HEAD_DIM, device="cuda")
+    if mixed:
+        # What an engine's ragged prefill over an fp16 cache runs: one FlashAttention varlen call, with K/V
+        # repeated per query head beforehand (outside the timing) where this PyTorch's varlen has no GQA.
+        native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+        group = 1 if native_gqa else Q_HEADS // KV_HEADS
+        k_fp16, v_fp16 = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = {"enable_gqa": True} if native_gqa else {}
+        lengths = (max(news), max(totals))
+    else:
+        # SDPA batches the equal-length sequences: [B, H, new, D] against [B, H_kv, total, D].
+        q_sdpa = q.view(sequences, new, Q_HEADS, HEAD_DIM).transpose(1, 2)
+        k_sdpa = k.view(sequences, prefix + new, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        v_sdpa = v.view(sequences, prefix + new, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        mask = causal_lower_right(new, prefix + new)
+    row: dict = {"sequences": sequences, "prefix": prefixes, "new": news}
 
     bounds = (qo_indptr.tolist(), kv_indptr.tolist())
 
@@ -88,9 +106,10 @@ def bench_shape(
             try:
                 for name, value in settings.items():
                     setattr(LAUNCH, name, value)
+                # As the SGLang backend calls it: the gathered-SDPA path then returns SDPA's fp16 output as it is.
                 extend_attention(
-                    q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=certificate, out=out,
-                    bounds=bounds if host else None,
+                    q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=certificate,
+                    out=None if gathered else out, bounds=bounds if host else None,
                 )  # fmt: skip
             finally:
                 for name, value in saved.items():
@@ -99,7 +118,10 @@ def bench_shape(
         return run
 
     def sdpa() -> None:
-        torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, attn_mask=mask, enable_gqa=True)
+        if mixed:
+            varlen_attn(q, k_fp16, v_fp16, qo_indptr, kv_indptr, *lengths, window_size=(-1, 0), **gqa)
+        else:
+            torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, attn_mask=mask, enable_gqa=True)
 
     def gather() -> None:
         pool.gather(0, slots)
@@ -132,13 +154,22 @@ def bench_shape(
     return row
 
 
+def sequence_shapes(prefix: int, new: int, sequences: int, mixed: bool) -> tuple[list[int], list[int]]:
+    """Each sequence's prefix and new tokens: all ``(prefix, new)``, or for a mixed batch spread evenly from
+    half to one and a half times each (the longest prompts with the shortest prefixes), the same totals."""
+    if not mixed or sequences == 1:
+        return [prefix] * sequences, [new] * sequences
+    spread = [0.5 + b / (sequences - 1) for b in range(sequences)]
+    return [round(prefix * (2 - f)) for f in spread], [max(1, round(new * f)) for f in spread]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+",
                         default=["16384:512", "0:4096", "32768:128", "0:16384", "2x8192:512", "4x0:2048", "8x4096:256",
                                  "16x0:512", "64x0:128"],
-                        help="[Bx]PREFIX:NEW: B sequences (default 1) of PREFIX cached and NEW new tokens "
-                             "(default: %(default)s)")  # fmt: skip
+                        help="[Bx][~]PREFIX:NEW: B sequences (default 1) of PREFIX cached and NEW new tokens; "
+                             "with ~ spread from half to 1.5 times those (default: %(default)s)")  # fmt: skip
     parser.add_argument("--per-row-up-to", type=int, default=2**26,
                         help="time the per-row path only where B * new * (prefix + new) is at most this")  # fmt: skip
     parser.add_argument("--configs", nargs="*", default=[],
@@ -163,13 +194,14 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
         sequences, _, pair = shape.rpartition("x")
-        prefix, new = (int(x) for x in pair.split(":"))
+        mixed = pair.startswith("~")
+        prefix, new = (int(x) for x in pair.removeprefix("~").split(":"))
         sequences = int(sequences or 1)
         per_row = sequences * new * (prefix + new) <= args.per_row_up_to
-        row = bench_shape(prefix, new, per_row, configs, sequences, args.variants)
+        row = bench_shape(prefix, new, per_row, configs, sequences, args.variants, mixed)
         results["rows"].append(row)
         times = " ".join(f"{k}={v.get('ms', float('nan')):.4f}ms" for k, v in row.items() if isinstance(v, dict))
-        print(f"{sequences}x prefix={prefix} new={new}: {times}", flush=True)
+        print(f"{shape}: {times}", flush=True)
         args.output.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.output}")
 

@@ -15,6 +15,8 @@ certificates or outputs that differ from the reference), so they never run outsi
   ``fp16(s * code)`` against ``fp16(2**14 p)`` in one MMA per channel half, without the exact ``v_hi + v_lo``
   and ``p_hi + p_mid`` splits (three MMAs). The certificate is unchanged; the output rounds as half-precision
   attention does;
+* ``all``: ``philox7``, ``blockradius`` and ``halfpv`` together, the cheapest kernel these contract changes
+  allow;
 * ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
   read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
   certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
@@ -125,7 +127,7 @@ def _replace(text: str, old: str, new: str) -> str:
 
 def variant(name: str, text: str) -> str:
     """``text`` (the Gluon stage 1's source) with the what-if ``name`` applied."""
-    if name in ("philox7", "both"):
+    if name in ("philox7", "both", "all"):
         for old, new in _PHILOX7:
             text = _replace(text, old, new)
     if name == "nophilox":
@@ -133,19 +135,19 @@ def variant(name: str, text: str) -> str:
         if start < 0 or end < start:
             raise SystemExit("whatif_stage1: kernels/gluon_decode.py changed; the Philox rounds are not where expected")
         text = text[:start] + _NOPHILOX_BODY + text[end:]
-    if name in ("blockradius", "both"):
+    if name in ("blockradius", "both", "all"):
         for old, new in _BLOCKRADIUS:
             text = _replace(text, old, new)
     if name == "qshared":
         for old, new in _QSHARED:
             text = _replace(text, old, new)
-    if name == "halfpv":
+    if name in ("halfpv", "all"):
         for old, new in _HALFPV:
             text = _replace(text, old, new)
     return text
 
 
-VARIANTS = ("philox7", "nophilox", "blockradius", "both", "qshared", "halfpv")
+VARIANTS = ("philox7", "nophilox", "blockradius", "both", "qshared", "halfpv", "all")
 
 
 def main() -> None:

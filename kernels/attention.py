@@ -95,8 +95,8 @@ _sm_count: dict[int, int] = {}
 
 @dataclass
 class AttentionOutput:
-    """``out`` ``[R, H_q, D]``, ``lse`` ``[R, H_q]`` (None from extend on SDPA); with the certificate, its value
-    and accumulators ``[R, H_q]``.
+    """``out`` ``[R, H_q, D]`` (float32, or the ``out`` passed in; from extend on SDPA without one, q's dtype),
+    ``lse`` ``[R, H_q]`` (None from extend on SDPA); with the certificate, its value and accumulators ``[R, H_q]``.
 
     ``R`` is the batch for decode and the number of query tokens for extend. ``accumulators`` holds
     ``reference.CertificateAccumulators`` merged over the splits (``None`` without the certificate).
@@ -613,8 +613,9 @@ def extend_attention(
 
     On a GPU, calls without the certificate run PyTorch's SDPA over the keys and values gathered from the
     pool instead (``extend_sdpa``; ``LAUNCH.extend_sdpa``): the same attention rounded as half-precision
-    attention is (the H200 test allows 4e-3 relative for fp16, 2e-2 for bf16), with ``lse`` None, and on the
-    H200 1.04-1.7x the time of SDPA on an fp16 cache for one sequence (docs/KERNELS.md, Extend). It needs the
+    attention is (the H200 test allows 4e-3 relative for fp16, 2e-2 for bf16), with ``lse`` None and, unless
+    ``out`` is given, ``out`` in q's dtype; on the H200 1.04-1.7x the time of SDPA on an fp16 cache for one
+    sequence (docs/KERNELS.md, Extend). It needs the
     offsets on the host: ``bounds`` (``qo_indptr`` and ``kv_indptr`` as lists, which an
     engine has once per batch) saves reading them back, a synchronisation per call. ``validate`` (default:
     on CPU only) checks every index against the pool; unvalidated, an out-of-range slot makes the rows that
@@ -642,10 +643,15 @@ def extend_attention(
         _check_kv_indptr(kv_host, kv_indices.numel())
         _check_qo_indptr(qo_host, kv_host, q.shape[0])
     if on_sdpa:
-        out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
+        if out is not None:
+            out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
         scale = reference.softmax_scale(sm_scale, q.shape[2])
-        out.copy_(extend_sdpa.attend(q, pool, layer, qo_host, kv_host, kv_indices, sm_scale=scale))
-        return AttentionOutput(out, None, None, None, "sdpa-gpu")
+        attended = extend_sdpa.attend(
+            q, pool, layer, (qo_host, kv_host), (qo_indptr, kv_indptr), kv_indices, sm_scale=scale
+        )
+        # Without an ``out`` to fill, SDPA's own half-precision result is returned as it is: copying it into
+        # float32 would only round back to the same values at the engine, twice the bytes on the way.
+        return AttentionOutput(attended if out is None else out.copy_(attended), None, None, None, "sdpa-gpu")
     tiled = (
         LAUNCH.extend_tiled
         and select_path(q.device) != "reference"

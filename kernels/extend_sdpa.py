@@ -5,15 +5,16 @@ FlashAttention leaves to the tensor cores; on the H200 it takes 4.6-8.9x the tim
 (docs/KERNELS.md, Extend). Prefill needs no certificate (the SGLang backend asks for none), so this path
 trades the exactness for speed instead: ``KVPool.gather`` dequantizes every key and value the batch's
 sequences see into dense tensors of the query's dtype (``x_hat`` rounded once), and
-``torch.nn.functional.scaled_dot_product_attention`` attends to them, one call per sequence, causal with
-its queries aligned to the end of its keys. It computes the same attention over the same dequantized
+``torch.nn.functional.scaled_dot_product_attention`` attends to them, causal with each sequence's queries
+aligned to the end of its keys: one batched call per run of consecutive sequences of equal shape
+(``equal_runs``; a batch of equal prompts is one call). It computes the same attention over the same dequantized
 values, rounded as any fp16 or bf16 attention is (``x_hat`` to the query dtype, the weights before PV):
 the H200 test holds it within 4e-3 (fp16) and 2e-2 (bf16) relative of the float32 reference, where the exact
 kernels reach 1e-5. No LSE comes back.
 
 One SDPA call per sequence costs about 0.05 ms each (H200, PyTorch 2.11: 64 sequences of 128 tokens take
 3.50 ms; ``bench/results/extend_varlen_h200.json``), so a batch of more than ``LAUNCH.extend_sdpa_max_calls`` (8)
-sequences goes to ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention 2) in one call instead: 16
+runs goes to ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention 2) in one call instead: 16
 sequences of 512 new tokens 0.98 ms per sequence call against 0.53 with varlen, 64 of 128 3.50 against 0.49,
 but 8 of 4096 + 256 0.92 against 1.08. For one sequence varlen is the slower (one 16k-token prompt 6.47
 against 3.67 ms).
@@ -28,6 +29,7 @@ keep logits in float32, still compute them.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import torch
@@ -59,70 +61,112 @@ def attend(
     q: torch.Tensor,
     pool: KVPool,
     layer: int,
-    qo_indptr: list[int],
-    kv_indptr: list[int],
+    bounds: tuple[list[int], list[int]],
+    indptrs: tuple[torch.Tensor, torch.Tensor],
     kv_indices: torch.Tensor,
     *,
     sm_scale: float,
 ) -> torch.Tensor:
-    """``out`` ``[T, H_q, D]`` in q's dtype. The offsets are host lists, checked by ``extend_attention``: the
-    attention kernels trust them. A slot out of the pool's range makes the rows that see it NaN
-    (``KVPool.gather``). Up to ``LAUNCH.extend_sdpa_max_calls`` sequences get one SDPA call each; more take
-    one ``varlen_attn`` call for the batch, where this PyTorch has it."""
+    """``out`` ``[T, H_q, D]`` in q's dtype. ``bounds`` are ``qo_indptr`` and ``kv_indptr`` as host lists,
+    checked by ``extend_attention`` (the attention kernels trust them); ``indptrs`` the same offsets on the
+    device. A slot out of the pool's range makes the rows that see it NaN (``KVPool.gather``).
+
+    Consecutive sequences with the same numbers of new and seen tokens share one batched SDPA call
+    (``equal_runs``); a batch of more than ``LAUNCH.extend_sdpa_max_calls`` such runs takes one
+    ``varlen_attn`` call instead, where this PyTorch has it."""
     from witcert.kernels.attention import LAUNCH
 
     keys, values = pool.gather(layer, kv_indices, q.dtype, validate=False)
     q = q if q.stride(2) == 1 else q.contiguous()
-    if len(qo_indptr) - 1 > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
-        return _attend_varlen(q, keys, values, qo_indptr, kv_indptr, sm_scale)
+    runs = equal_runs(*bounds)
+    if len(runs) > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
+        return _attend_varlen(q, keys, values, bounds, indptrs, sm_scale)
     out = torch.empty_like(q)
-    for (q_lo, q_hi), (kv_lo, kv_hi) in zip(pairwise(qo_indptr), pairwise(kv_indptr), strict=True):
-        new, seen = q_hi - q_lo, kv_hi - kv_lo
-        if new == 0:
-            continue
+    for run in runs:
+        q_rows = slice(run.q_start, run.q_start + run.count * run.new)
+        kv_rows = slice(run.kv_start, run.kv_start + run.count * run.seen)
         # New token i of n sees the first S - n + i + 1 keys: the causal mask aligned bottom-right, which
         # is the plain causal mask when the sequence has no prefix.
-        mask = {"is_causal": True} if new == seen else {"attn_mask": causal_lower_right(new, seen)}
+        mask = {"is_causal": True} if run.new == run.seen else {"attn_mask": causal_lower_right(run.new, run.seen)}
         attended = F.scaled_dot_product_attention(
-            q[q_lo:q_hi].transpose(0, 1).unsqueeze(0),
-            keys[kv_lo:kv_hi].transpose(0, 1).unsqueeze(0),
-            values[kv_lo:kv_hi].transpose(0, 1).unsqueeze(0),
+            _batched(q[q_rows], run.count),
+            _batched(keys[kv_rows], run.count),
+            _batched(values[kv_rows], run.count),
             scale=sm_scale,
             enable_gqa=True,
             **mask,
         )
-        out[q_lo:q_hi] = attended[0].transpose(0, 1)
+        out[q_rows] = attended.transpose(1, 2).reshape(-1, *out.shape[1:])
     return out
+
+
+@dataclass(frozen=True)
+class EqualRun:
+    """``count`` consecutive sequences, each with ``new`` query rows over ``seen`` keys, the first at rows
+    ``q_start`` of q and ``kv_start`` of the gathered keys."""
+
+    q_start: int
+    kv_start: int
+    count: int
+    new: int
+    seen: int
+
+
+def equal_runs(qo_indptr: list[int], kv_indptr: list[int]) -> list[EqualRun]:
+    """The batch as runs of consecutive sequences of equal shape, skipping sequences without new tokens:
+    one SDPA call each. A batch of equal prompts is one run; the offsets must be valid (checked)."""
+    runs: list[EqualRun] = []
+    for (q_lo, q_hi), (kv_lo, kv_hi) in zip(pairwise(qo_indptr), pairwise(kv_indptr), strict=True):
+        new, seen = q_hi - q_lo, kv_hi - kv_lo
+        if new == 0:
+            continue
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and (last.new, last.seen) == (new, seen)
+            and last.q_start + last.count * new == q_lo
+            and last.kv_start + last.count * seen == kv_lo
+        ):
+            runs[-1] = replace(last, count=last.count + 1)
+        else:
+            runs.append(EqualRun(q_lo, kv_lo, 1, new, seen))
+    return runs
+
+
+def _batched(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``[count * n, H, D]`` rows of ``count`` sequences as SDPA's ``[count, H, n, D]`` (a view)."""
+    return rows.unflatten(0, (count, -1)).transpose(1, 2)
 
 
 def _attend_varlen(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    qo_indptr: list[int],
-    kv_indptr: list[int],
+    bounds: tuple[list[int], list[int]],
+    indptrs: tuple[torch.Tensor, torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
     """The whole batch in one ``varlen_attn`` call (FlashAttention 2, causal aligned bottom-right), which
-    costs less than one SDPA call per sequence once there are many of them."""
-    parameters = inspect.signature(_varlen.varlen_attn).parameters
+    costs less than one SDPA call per run once there are many of them."""
     options: dict = {"scale": scale}
     # PyTorch 2.11 names the causal mask by its window; older releases take is_causal.
-    options.update({"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True})
+    options.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True})
     group = q.shape[1] // keys.shape[1]
-    if "enable_gqa" in parameters:
+    if "enable_gqa" in _VARLEN_PARAMETERS:
         options["enable_gqa"] = True
     elif group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    lengths_q = [b - a for a, b in pairwise(qo_indptr)]
-    lengths_k = [b - a for a, b in pairwise(kv_indptr)]
+    qo_indptr, kv_indptr = (x.to(torch.int32) for x in indptrs)
     return _varlen.varlen_attn(
         q,
         keys,
         values,
-        torch.tensor(qo_indptr, dtype=torch.int32, device=q.device),
-        torch.tensor(kv_indptr, dtype=torch.int32, device=q.device),
-        max(lengths_q),
-        max(lengths_k),
+        qo_indptr,
+        kv_indptr,
+        max(b - a for a, b in pairwise(bounds[0])),
+        max(b - a for a, b in pairwise(bounds[1])),
         **options,
     )
+
+
+_VARLEN_PARAMETERS = inspect.signature(_varlen.varlen_attn).parameters if _varlen is not None else {}

@@ -317,10 +317,16 @@ def _radius_operands(groups, sigma_coef, bias_coef):
     bias = gl.zeros([4, 16, 8], gl.float32, layout)
     for g in gl.static_range(4):
         a = (groups[g][2] * sigma_coef)[:, None, :]
+        # |q_g|^2 can overflow float32 (a bf16 query beyond 2**64): the reference's radius is then +inf for every
+        # token. The sigma operand would make it NaN (inf - inf, and 0 * inf against an exact s_g^2), so that
+        # head's infinity goes in through the bias, which meets s_g > 0 alone: +inf, at no cost in the loop.
+        overflow = a == _FP32_INF
+        a = gl.where(overflow, 0.0, a)
         a_hi = _tf32_hi(a)
         b = (groups[g][3] * bias_coef)[:, None, :]
         b_hi = _tf32_hi(b)
         b_up = gl.where(b_hi < b, (b_hi.to(gl.uint32, bitcast=True) + 0x2000).to(gl.float32, bitcast=True), b_hi)
+        b_up = gl.where(overflow, _FP32_INF, b_up)
         sigma = gl.where((k == g) | (k == 8 + g), a_hi, sigma)
         sigma = gl.where(k == 4 + g, a - a_hi, sigma)
         bias = gl.where(k == 12 + g, b_up, bias)
@@ -946,10 +952,13 @@ def _decode_stage1_gluon(
         winner = gl.min(gl.where(live & (running_max == top[None, :]), warp_index, 4), axis=0)
         loser = live & (warp_index != winner[None, :])
         b_rest = gl.convert_layout(gl.sum(b_rest, axis=1), _HEAD_ROW)
-        u_rest = gl.convert_layout(gl.sum(u_rest, axis=1), _HEAD_ROW)
+        # U_rest's terms take no `0 * inf` rule in the loop (it would spill): a weight that underflowed beside a
+        # radius that overflowed makes the sum NaN, and a NaN stays NaN through every later scaling and sum,
+        # so it is read here as the reference's +inf (``mul_nonneg``).
+        u_rest = inf_where_nan(gl.convert_layout(gl.sum(u_rest, axis=1), _HEAD_ROW))
         w_rest = gl.convert_layout(gl.sum(w_rest, axis=1), _HEAD_ROW)
         b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, mul_nonneg(warp_weight, g_max), 0.0), axis=0)
-        u = gl.sum(warp_weight * u_rest + gl.where(loser, warp_weight * u_max, 0.0), axis=0)
+        u = gl.sum(weighted(warp_weight, u_rest) + gl.where(loser, weighted(warp_weight, u_max), 0.0), axis=0)
         p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
         u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
         gl.store(PartMax + part_row, top * _LN2 + poison, mask=head_ok)

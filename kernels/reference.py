@@ -420,14 +420,15 @@ def tail_multiplier(num_tokens: int, delta: float) -> float:
 
 
 def expm1_minus_x(x: torch.Tensor) -> torch.Tensor:
-    """``g(x) = expm1(x) - x`` without cancellation for small ``x`` (Taylor series below 0.05)."""
+    """``g(x) = expm1(x) - x`` without cancellation for small ``x`` (Taylor series below 0.05), and ``+inf`` at
+    ``x = +inf`` (a radius that overflowed float32), where ``expm1(x) - x`` would be ``inf - inf``."""
     small = x.abs() < 0.05
     # Horner form of x^2/2! + ... + x^8/8!: truncation below 1e-14 relative for |x| < 0.05.
     series = torch.zeros_like(x)
     for n in range(8, 1, -1):
         series = (series + 1.0 / math.factorial(n)) * x
     series = series * x
-    return torch.where(small, series, torch.expm1(x) - x)
+    return torch.where(small, series, torch.where(x == math.inf, x, torch.expm1(x) - x))
 
 
 def _mul_nonneg(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,18 @@ def far_token_case(
     return pool, indptr.to(device), slots.to(device), q.to(device)
 
 
+def overflowing_query_case(
+    device: torch.device | str = "cpu",
+) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Two rows of bf16 queries near 1e20 with the softmax scale 1e-18: logits spread over thousands, so
+    almost every weight underflows to 0, while ``|q_g|^2`` overflows float32 and with it every token's radius.
+    The reference's certificate is +inf (an infinite radius beside a zero weight counts, ``mul_nonneg``).
+    Returns (pool, indptr, slots, q, sm_scale); 7 query heads on one KV head, V rounded to nearest."""
+    pool, indptr, slots = filled_pool([300, 40], kv_heads=1, v_dither=False, dtype=torch.bfloat16, device=device)
+    q = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(1)) * 1e20
+    return pool, indptr, slots, q.to(torch.bfloat16).to(device), 1e-18
+
+
 def _on_cpu(quantized: reference.QuantizedKV) -> reference.QuantizedKV:
     return dataclasses.replace(
         quantized,

@@ -20,6 +20,7 @@ from kernel_cases import (  # noqa: E402
     far_token_case,
     filled_pool,
     oracle,
+    overflowing_query_case,
     paged_slots,
     relative_error,
 )
@@ -297,6 +298,20 @@ def test_an_overflowing_radius_counts_where_its_weight_underflows():
     result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
     assert torch.isinf(result.certificate[0]).all() and (result.certificate[0] > 0).all()
     torch.testing.assert_close(result.out[0].float(), expected.out, rtol=1e-5, atol=1e-5)
+
+
+def test_an_overflowing_radius_gives_an_infinite_certificate():
+    """A radius beyond float32 is a valid, infinite bound: +inf in the reference and the kernel, never NaN
+    (the reference's ``g(inf)`` was ``inf - inf`` until session 10)."""
+    pool, indptr, slots, q, sm_scale = overflowing_query_case()
+    result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA, num_kv_splits=2)
+    for row in range(2):
+        row_slots = slots[indptr[row] : indptr[row + 1]]
+        expected = oracle(q[row], pool, 1, row_slots, delta=DELTA, sm_scale=sm_scale)
+        assert torch.isinf(expected.radius).all() and (expected.probs == 0).float().mean() > 0.9
+        assert torch.isposinf(expected.certificate).all()
+        assert torch.isposinf(result.certificate[row]).all()
+        assert relative_error(result.out[row], expected.out) < 1e-5
 
 
 def test_decode_without_certificate_gives_the_same_output():

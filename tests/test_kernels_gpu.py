@@ -12,6 +12,7 @@ from kernel_cases import (
     far_token_case,
     filled_pool,
     oracle,
+    overflowing_query_case,
     relative_error,
 )
 
@@ -223,6 +224,23 @@ def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, max_c
     assert relative_error(gathered.out.cpu(), exact.out.cpu()) < tolerance
 
 
+@pytest.mark.parametrize("prefix", [[200, 200, 200, 0], [0, 0, 0, 0]], ids=["prefix-hits", "prompts"])
+def test_sdpa_extend_batches_equal_sequences_on_gpu(prefix):
+    """Sequences of one shape share a batched SDPA call (``extend_sdpa.equal_runs``): GQA 7:1, with the
+    causal mask aligned bottom-right (prefix hits) or plain (prompts), against the float32 reference."""
+    new = [30, 30, 30, 30]
+    pool, kv_indptr, slots = filled_pool(
+        [p + n for p, n in zip(prefix, new, strict=True)], kv_heads=4, v_dither=False, device=CUDA
+    )
+    qo_indptr = torch.tensor([0, 30, 60, 90, 120], device=CUDA)
+    q = _query(120, 28)
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
+    assert result.path == "sdpa-gpu" and result.out.dtype == torch.float16
+    for row in (0, 29, 31, 59, 75, 90, 119):
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
+        assert relative_error(result.out[row], expected.out) < 4e-3, row
+
+
 def test_sdpa_extend_checks_offsets_and_poisons_bad_slots_on_gpu():
     """The SDPA path slices sequences by host offsets, which are always checked (SDPA trusts them); a slot
     outside the pool raises when validated and otherwise makes only its own sequence's rows NaN."""
@@ -306,6 +324,20 @@ def test_an_overflowing_radius_counts_where_its_weight_underflows_on_gpu(stage1)
     assert result.path == _expected_path(q, pool)
     assert torch.isinf(result.certificate[0]).all() and (result.certificate[0] > 0).all()
     assert relative_error(result.out[0], expected.out) < 1e-5
+
+
+def test_an_overflowing_radius_gives_an_infinite_certificate_on_gpu(stage1):
+    """Every radius beyond float32 beside weights that underflowed: +inf, as in the reference. The Gluon stage 1
+    takes such a head's infinity through the radius' bias operand and reads a NaN U_rest as +inf."""
+    pool, indptr, slots, q, sm_scale = overflowing_query_case(CUDA)
+    result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA)
+    assert result.path == _expected_path(q, pool)
+    for row in range(2):
+        row_slots = slots[indptr[row] : indptr[row + 1]]
+        expected = oracle(q[row], pool, 1, row_slots, delta=DELTA, sm_scale=sm_scale)
+        assert torch.isposinf(expected.certificate).all()
+        assert torch.isposinf(result.certificate[row]).all(), result.certificate[row]
+        assert relative_error(result.out[row], expected.out) < 1e-5
 
 
 @pytest.mark.parametrize("magnitude", [1e5, 1e-6])

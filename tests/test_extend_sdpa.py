@@ -1,0 +1,64 @@
+"""The SDPA extend path's host-side plan (``extend_sdpa.equal_runs``) and its attention, on CPU.
+
+``extend_attention`` takes this path only on a GPU (``extend_sdpa.covers``); ``attend`` itself runs
+anywhere SDPA does, so CI checks its grouping of sequences into batched calls against the float32
+reference here, and the H200 tests check the whole path (``test_kernels_gpu.py``)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import extend_oracle, filled_pool, relative_error
+from torch.overrides import TorchFunctionMode
+
+from witcert.kernels import extend_sdpa
+from witcert.kernels.attention import LAUNCH
+from witcert.kernels.extend_sdpa import EqualRun, equal_runs
+
+DELTA = 1e-3
+
+
+def test_equal_runs_group_consecutive_sequences_of_one_shape():
+    # Three prefix hits of 4 new over 10, an idle sequence, the same shape again, then a 3-token prompt.
+    qo = [0, 4, 8, 12, 12, 16, 19]
+    kv = [0, 10, 20, 30, 35, 45, 48]
+    assert equal_runs(qo, kv) == [
+        EqualRun(q_start=0, kv_start=0, count=3, new=4, seen=10),
+        # The idle sequence's 5 keys lie between: not one run with the first three.
+        EqualRun(q_start=12, kv_start=35, count=1, new=4, seen=10),
+        EqualRun(q_start=16, kv_start=45, count=1, new=3, seen=3),
+    ]
+    assert equal_runs([0, 8, 16], [0, 8, 16]) == [EqualRun(0, 0, 2, 8, 8)]
+    assert equal_runs([0, 0], [0, 7]) == []
+
+
+def test_attend_batches_equal_sequences_and_matches_the_reference(monkeypatch):
+    """Grouped SDPA calls (one per run) over the gathered K/V: every new token of every sequence within the
+    accuracy of half-precision attention of the float32 reference."""
+    prefix, new = [6, 6, 6, 5, 6, 0], [4, 4, 4, 0, 4, 3]
+    pool, kv_indptr, slots = filled_pool([p + n for p, n in zip(prefix, new, strict=True)], kv_heads=2, v_dither=False)
+    qo_indptr = torch.tensor([0, 4, 8, 12, 12, 16, 19])
+    # One query head per KV head: CPU SDPA's bottom-right causal mask has no GQA (the H200 test has 7:1).
+    q = torch.randn(19, 2, 128, generator=torch.Generator().manual_seed(5)).half()
+    calls = []
+
+    class CountCalls(TorchFunctionMode):
+        # A function mode, not a wrapper: SDPA's causal-bias dispatch checks which function it was called as.
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                calls.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(LAUNCH, "extend_sdpa_max_calls", 8)
+    bounds = (qo_indptr.tolist(), kv_indptr.tolist())
+    with CountCalls():
+        out = extend_sdpa.attend(q, pool, 1, bounds, (qo_indptr, kv_indptr), slots, sm_scale=128**-0.5)
+    assert out.dtype == torch.float16 and calls == [3, 1, 1]
+    for row in range(19):
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
+        assert relative_error(out[row], expected.out) < 4e-3, row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_path_is_not_taken_off_the_gpu_or_for_another_dtype(dtype):
+    pool, _, _ = filled_pool([4], kv_heads=2, v_dither=False)
+    assert not extend_sdpa.covers(torch.zeros(4, 14, 128, dtype=dtype), pool, 4)
