@@ -81,23 +81,30 @@ def attend(
     runs = equal_runs(*bounds)
     if len(runs) > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
         return _attend_varlen(q, keys, values, bounds, indptrs, sm_scale)
+    if len(runs) == 1 and runs[0].count * runs[0].new == q.shape[0]:
+        return _attend_run(q, keys, values, runs[0], sm_scale)  # the whole batch: SDPA's output, not a copy
     out = torch.empty_like(q)
     for run in runs:
-        q_rows = slice(run.q_start, run.q_start + run.count * run.new)
-        kv_rows = slice(run.kv_start, run.kv_start + run.count * run.seen)
-        # New token i of n sees the first S - n + i + 1 keys: the causal mask aligned bottom-right, which
-        # is the plain causal mask when the sequence has no prefix.
-        mask = {"is_causal": True} if run.new == run.seen else {"attn_mask": causal_lower_right(run.new, run.seen)}
-        attended = F.scaled_dot_product_attention(
-            _batched(q[q_rows], run.count),
-            _batched(keys[kv_rows], run.count),
-            _batched(values[kv_rows], run.count),
-            scale=sm_scale,
-            enable_gqa=True,
-            **mask,
-        )
-        out[q_rows] = attended.transpose(1, 2).reshape(-1, *out.shape[1:])
+        out[run.q_start : run.q_start + run.count * run.new] = _attend_run(q, keys, values, run, sm_scale)
     return out
+
+
+def _attend_run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: EqualRun, scale: float) -> torch.Tensor:
+    """The run's rows of ``out``, ``[count * new, H_q, D]``, from one batched SDPA call."""
+    q_rows = slice(run.q_start, run.q_start + run.count * run.new)
+    kv_rows = slice(run.kv_start, run.kv_start + run.count * run.seen)
+    # New token i of n sees the first S - n + i + 1 keys: the causal mask aligned bottom-right, which is the
+    # plain causal mask when the sequence has no prefix.
+    mask = {"is_causal": True} if run.new == run.seen else {"attn_mask": causal_lower_right(run.new, run.seen)}
+    attended = F.scaled_dot_product_attention(
+        _batched(q[q_rows], run.count),
+        _batched(keys[kv_rows], run.count),
+        _batched(values[kv_rows], run.count),
+        scale=scale,
+        enable_gqa=True,
+        **mask,
+    )
+    return attended.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
 @dataclass(frozen=True)
