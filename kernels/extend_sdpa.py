@@ -29,8 +29,8 @@ keep logits in float32, still compute them.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, replace
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -107,8 +107,7 @@ def _attend_run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: 
     return attended.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
-@dataclass(frozen=True)
-class EqualRun:
+class EqualRun(NamedTuple):
     """``count`` consecutive sequences, each with ``new`` query rows over ``seen`` keys, the first at rows
     ``q_start`` of q and ``kv_start`` of the gathered keys."""
 
@@ -123,20 +122,20 @@ def equal_runs(qo_indptr: list[int], kv_indptr: list[int]) -> list[EqualRun]:
     """The batch as runs of consecutive sequences of equal shape, skipping sequences without new tokens:
     one SDPA call each. A batch of equal prompts is one run; the offsets must be valid (checked)."""
     runs: list[EqualRun] = []
-    for (q_lo, q_hi), (kv_lo, kv_hi) in zip(pairwise(qo_indptr), pairwise(kv_indptr), strict=True):
-        new, seen = q_hi - q_lo, kv_hi - kv_lo
-        if new == 0:
+    start = count = new = seen = 0  # the open run: its sequences' first key, number and shape
+    for b in range(len(qo_indptr) - 1):
+        b_new, b_seen = qo_indptr[b + 1] - qo_indptr[b], kv_indptr[b + 1] - kv_indptr[b]
+        if b_new == 0:
             continue
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and (last.new, last.seen) == (new, seen)
-            and last.q_start + last.count * new == q_lo
-            and last.kv_start + last.count * seen == kv_lo
-        ):
-            runs[-1] = replace(last, count=last.count + 1)
-        else:
-            runs.append(EqualRun(q_lo, kv_lo, 1, new, seen))
+        # An idle sequence's keys between two equal ones break the run: they would be read as theirs.
+        if count and (b_new, b_seen) == (new, seen) and start + count * seen == kv_indptr[b]:
+            count += 1
+            continue
+        if count:
+            runs.append(EqualRun(qo_indptr[b] - count * new, start, count, new, seen))
+        start, count, new, seen = kv_indptr[b], 1, b_new, b_seen
+    if count:
+        runs.append(EqualRun(qo_indptr[-1] - count * new, start, count, new, seen))
     return runs
 
 
