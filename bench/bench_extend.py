@@ -34,6 +34,7 @@ import argparse
 import inspect
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,15 +49,28 @@ from witcert.kernels.attention import LAUNCH
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 
 
-def bench_shape(
-    prefix: int,
-    new: int,
-    per_row: bool,
-    configs: list[tuple[int, int, int]],
-    sequences: int = 1,
-    only: tuple[str, ...] | list[str] = (),
-    mixed: bool = False,
-) -> dict:
+@dataclass
+class Batch:
+    """One layer's extend batch: the pool with every sequence's K/V written, the fp16 K/V themselves (for the
+    baseline), the new tokens' queries and the SGLang-style offsets."""
+
+    pool: KVPool
+    k: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    slots: torch.Tensor
+    prefixes: list[int]
+    news: list[int]
+    totals: list[int]
+
+    @property
+    def bounds(self) -> tuple[list[int], list[int]]:
+        return self.qo_indptr.tolist(), self.kv_indptr.tolist()
+
+
+def make_batch(prefix: int, new: int, sequences: int = 1, mixed: bool = False) -> Batch:
     prefixes, news = sequence_shapes(prefix, new, sequences, mixed)
     totals = [p + n for p, n in zip(prefixes, news, strict=True)]
     generator = torch.Generator(device="cuda").manual_seed(prefix + new)
@@ -68,6 +82,28 @@ def bench_shape(
     qo_indptr = torch.tensor([0, *itertools.accumulate(news)], device="cuda", dtype=torch.int32)
     kv_indptr = torch.tensor([0, *itertools.accumulate(totals)], device="cuda", dtype=torch.int32)
     slots = torch.arange(sum(totals), device="cuda", dtype=torch.int32)
+    return Batch(pool, k, v, q, qo_indptr, kv_indptr, slots, prefixes, news, totals)
+
+
+def parse_shape(shape: str) -> tuple[int, int, int, bool]:
+    """``[Bx][~]PREFIX:NEW`` -> (prefix, new, sequences, mixed)."""
+    sequences, _, pair = shape.rpartition("x")
+    prefix, new = (int(x) for x in pair.removeprefix("~").split(":"))
+    return prefix, new, int(sequences or 1), pair.startswith("~")
+
+
+def bench_shape(
+    prefix: int,
+    new: int,
+    per_row: bool,
+    configs: list[tuple[int, int, int]],
+    sequences: int = 1,
+    only: tuple[str, ...] | list[str] = (),
+    mixed: bool = False,
+) -> dict:
+    batch = make_batch(prefix, new, sequences, mixed)
+    pool, k, v, q = batch.pool, batch.k, batch.v, batch.q
+    qo_indptr, kv_indptr, slots, news, totals = batch.qo_indptr, batch.kv_indptr, batch.slots, batch.news, batch.totals
     out = torch.empty(sum(news), Q_HEADS, HEAD_DIM, device="cuda")
     if mixed:
         # What an engine's ragged prefill over an fp16 cache runs: one FlashAttention varlen call, with K/V
@@ -83,9 +119,9 @@ def bench_shape(
         k_sdpa = k.view(sequences, prefix + new, KV_HEADS, HEAD_DIM).transpose(1, 2)
         v_sdpa = v.view(sequences, prefix + new, KV_HEADS, HEAD_DIM).transpose(1, 2)
         mask = causal_lower_right(new, prefix + new)
-    row: dict = {"sequences": sequences, "prefix": prefixes, "new": news}
+    row: dict = {"sequences": sequences, "prefix": batch.prefixes, "new": news}
 
-    bounds = (qo_indptr.tolist(), kv_indptr.tolist())
+    bounds = batch.bounds
 
     def extend(
         tiled: bool,
@@ -193,10 +229,7 @@ def main() -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
-        sequences, _, pair = shape.rpartition("x")
-        mixed = pair.startswith("~")
-        prefix, new = (int(x) for x in pair.removeprefix("~").split(":"))
-        sequences = int(sequences or 1)
+        prefix, new, sequences, mixed = parse_shape(shape)
         per_row = sequences * new * (prefix + new) <= args.per_row_up_to
         row = bench_shape(prefix, new, per_row, configs, sequences, args.variants, mixed)
         results["rows"].append(row)
