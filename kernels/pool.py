@@ -204,19 +204,20 @@ class KVPool:
                 self.seed,
                 layer,
                 OUTLIERS_PAD=max(2, _pow2(self.num_outliers)),
-                **self._side_constants(side, heads_pad, block_tokens),
+                KIND_BIT=side,
+                DITHER=self.dithered(SIDES[side]),
+                **self._pool_constants(heads_pad, block_tokens),
             )
 
-    def _side_constants(self, side: int, heads_pad: int, block_tokens: int) -> dict:
-        """The compile-time parameters the write and gather kernels share for one side of this pool."""
+    def _pool_constants(self, heads_pad: int, block_tokens: int) -> dict:
+        """The compile-time parameters the write and gather kernels share (per side, the write adds which side
+        and whether it is dithered)."""
         return dict(
             NUM_KV_HEADS=self.kv_heads,
             HEADS_PAD=heads_pad,
-            KIND_BIT=side,
             HEAD_DIM=self.head_dim,
             GROUP_SIZE=self.group_size,
             DITHER_BITS=self.dither_bits,
-            DITHER=self.dithered(SIDES[side]),
             HAS_OUTLIERS=self.num_outliers > 0,
             NUM_OUTLIERS=max(1, self.num_outliers),
             BLOCK_T=block_tokens,
@@ -317,25 +318,28 @@ class KVPool:
 
         heads_pad = _pow2(self.kv_heads)
         block_tokens = max(1, _WRITE_ROWS // heads_pad)
-        sides = []
-        for side in range(len(SIDES)):
-            out = torch.empty(slots.shape[0], self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
-            if slots.numel():
-                triton_gather._gather_dequantize[(triton_cdiv(slots.shape[0], block_tokens),)](
-                    slots,
-                    self.codes[layer, side],
-                    self.scales[layer, side],
-                    self.outlier_values[layer, side],
-                    self.outlier_index[layer],
-                    out,
-                    slots.shape[0],
-                    self.num_slots,
-                    self.seed,
-                    layer,
-                    **self._side_constants(side, heads_pad, block_tokens),
-                )
-            sides.append(out)
-        return sides[0], sides[1]
+        out = torch.empty(len(SIDES), slots.shape[0], self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
+        if slots.numel():
+            triton_gather._gather_dequantize[(triton_cdiv(slots.shape[0], block_tokens), len(SIDES))](
+                slots,
+                self.codes[layer],
+                self.scales[layer],
+                self.outlier_values[layer],
+                self.outlier_index[layer],
+                out,
+                self.codes.stride(1),
+                self.scales.stride(1),
+                self.outlier_values.stride(1),
+                out.stride(0),
+                slots.shape[0],
+                self.num_slots,
+                self.seed,
+                layer,
+                DITHER_K=self.dithered("k"),
+                DITHER_V=self.dithered("v"),
+                **self._pool_constants(heads_pad, block_tokens),
+            )
+        return out[0], out[1]
 
 
 def triton_cdiv(a: int, b: int) -> int:

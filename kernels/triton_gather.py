@@ -23,6 +23,50 @@ def _gather_dequantize(
     OutlierValues,
     OutlierIndex,
     Out,
+    codes_side,
+    scales_side,
+    outliers_side,
+    out_side,
+    num_tokens,
+    num_slots,
+    seed,
+    layer,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DITHER_BITS: tl.constexpr,
+    DITHER_K: tl.constexpr,
+    DITHER_V: tl.constexpr,
+    HAS_OUTLIERS: tl.constexpr,
+    NUM_OUTLIERS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Both sides in one launch (one host call less per layer): programs ``(block, 0)`` gather K, ``(block,
+    1)`` V, each side's tensors ``*_side`` elements after K's. The two bodies differ in compile-time
+    parameters (the stream's kind bit, whether the side is dithered), hence the branch."""
+    if tl.program_id(1) == 0:
+        _gather_side(
+            Slots, Codes, Scales, OutlierValues, OutlierIndex, Out, num_tokens, num_slots, seed, layer,
+            NUM_KV_HEADS, HEADS_PAD, 0, HEAD_DIM, GROUP_SIZE, DITHER_BITS, DITHER_K, HAS_OUTLIERS, NUM_OUTLIERS,
+            BLOCK_T,
+        )  # fmt: skip
+    else:
+        _gather_side(
+            Slots, Codes + codes_side, Scales + scales_side, OutlierValues + outliers_side, OutlierIndex,
+            Out + out_side, num_tokens, num_slots, seed, layer, NUM_KV_HEADS, HEADS_PAD, 1, HEAD_DIM, GROUP_SIZE,
+            DITHER_BITS, DITHER_V, HAS_OUTLIERS, NUM_OUTLIERS, BLOCK_T,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gather_side(
+    Slots,
+    Codes,
+    Scales,
+    OutlierValues,
+    OutlierIndex,
+    Out,
     num_tokens,
     num_slots,
     seed,
