@@ -69,10 +69,11 @@ class LaunchConfig:
     # keeps every extend on the exact kernels. The gathered K/V are allocated per call, at most this many bytes
     # (else the tiled kernel runs): 2 GiB is 2M keys of 4 KV heads at head_dim 128.
     extend_sdpa: bool = True
-    # Batches of more sequences than this take one varlen_attn call instead of one SDPA call per sequence.
-    # H200 (bench/results/extend_varlen_h200.json), ms per sequence call / varlen: 8 sequences of 4096 + 256
-    # 0.92 / 1.08, 16 of 512 0.98 / 0.53, 64 of 128 3.50 / 0.49.
-    extend_sdpa_max_calls: int = 8
+    # Batches of more runs of equal sequences than this (extend_sdpa.equal_runs) take one FlashAttention 2 varlen
+    # call instead of one SDPA call per run. H200, mixed batches (bench/results/extend_crossover_h200.json and
+    # extend_varlen_gqa_h200.json), ms per run / varlen: 2 runs 0.43 / 0.62, 3 runs 0.29 / 0.43, 4 runs
+    # 0.61 / 0.54, 5 runs 0.36 / 0.23, 8 runs 0.81 / 0.56, 64 runs 3.88 / 0.18.
+    extend_sdpa_max_calls: int = 3
     extend_sdpa_max_bytes: int = 2**31
 
     def programs_per_sm(self) -> int:

@@ -12,12 +12,11 @@ values, rounded as any fp16 or bf16 attention is (``x_hat`` to the query dtype, 
 the H200 test holds it within 4e-3 (fp16) and 2e-2 (bf16) relative of the float32 reference, where the exact
 kernels reach 1e-5. No LSE comes back.
 
-One SDPA call per sequence costs about 0.05 ms each (H200, PyTorch 2.11: 64 sequences of 128 tokens take
-3.50 ms; ``bench/results/extend_varlen_h200.json``), so a batch of more than ``LAUNCH.extend_sdpa_max_calls`` (8)
-runs goes to ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention 2) in one call instead: 16
-sequences of 512 new tokens 0.98 ms per sequence call against 0.53 with varlen, 64 of 128 3.50 against 0.49,
-but 8 of 4096 + 256 0.92 against 1.08. For one sequence varlen is the slower (one 16k-token prompt 6.47
-against 3.67 ms).
+Each SDPA call costs host time (about 0.05 ms; 64 mixed prompts of about 128 tokens, one call each: 3.9 ms on
+the H200), so a batch of more than ``LAUNCH.extend_sdpa_max_calls`` (3) runs goes to FlashAttention 2's varlen
+kernel in one call instead (``torch.nn.attention.varlen.varlen_attn``; on PyTorch 2.11, whose ``varlen_attn``
+has no ``enable_gqa``, the aten op under it, which takes fewer KV heads than query heads). For one long
+sequence varlen is the slower (a 16k-token prompt 6.1 against 3.5 ms): cuDNN's kernel is faster there.
 
 Runs on CUDA devices of compute capability 8.0 or newer, queries in the pool's dtype (fp16 or bf16),
 head_dim up to 256, where the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
