@@ -64,8 +64,8 @@ class LaunchConfig:
     extend_block_n: int = 64
     extend_num_warps: int = 8
     # Extend without the certificate on PyTorch's SDPA over K/V gathered from the pool (kernels/extend_sdpa.py):
-    # not exact (fp16/bf16 rounding; tested within 4e-3 / 2e-2), 1.04-1.7x SDPA on an fp16 cache for one sequence
-    # on the H200, more for batches of many short prompts (docs/KERNELS.md, Extend). False
+    # not exact (fp16/bf16 rounding; tested within 4e-3 / 2e-2), 0.99-1.11x SDPA on an fp16 cache for one sequence
+    # on the H200, up to 2.9x for batches of many short prompts (docs/KERNELS.md, Extend). False
     # keeps every extend on the exact kernels. The gathered K/V are allocated per call, at most this many bytes
     # (else the tiled kernel runs): 2 GiB is 2M keys of 4 KV heads at head_dim 128.
     extend_sdpa: bool = True
@@ -615,7 +615,7 @@ def extend_attention(
     On a GPU, calls without the certificate run PyTorch's SDPA over the keys and values gathered from the
     pool instead (``extend_sdpa``; ``LAUNCH.extend_sdpa``): the same attention rounded as half-precision
     attention is (the H200 test allows 4e-3 relative for fp16, 2e-2 for bf16), with ``lse`` None and, unless
-    ``out`` is given, ``out`` in q's dtype; on the H200 1.04-1.7x the time of SDPA on an fp16 cache for one
+    ``out`` is given, ``out`` in q's dtype; on the H200 0.99-1.11x the time of SDPA on an fp16 cache for one
     sequence (docs/KERNELS.md, Extend). It needs the
     offsets on the host: ``bounds`` (``qo_indptr`` and ``kv_indptr`` as lists, which an
     engine has once per batch) saves reading them back, a synchronisation per call. ``validate`` (default:
