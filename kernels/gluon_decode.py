@@ -317,9 +317,10 @@ def _radius_operands(groups, sigma_coef, bias_coef):
     bias = gl.zeros([4, 16, 8], gl.float32, layout)
     for g in gl.static_range(4):
         a = (groups[g][2] * sigma_coef)[:, None, :]
-        # |q_g|^2 can overflow float32 (a bf16 query beyond 2**64): the reference's radius is then +inf for every
-        # token. The sigma operand would make it NaN (inf - inf, and 0 * inf against an exact s_g^2), so that
-        # head's infinity goes in through the bias, which meets s_g > 0 alone: +inf, at no cost in the loop.
+        # sm^2 |q_g|^2 / 12 can overflow float32 (bf16 queries near 2**62 and beyond): the reference's radius is
+        # then +inf for every token. The sigma operand would make it NaN (inf - inf, and 0 * inf against an exact
+        # s_g^2), so that head's infinity goes in through the bias, which meets s_g > 0 alone: +inf, at no cost in
+        # the loop.
         overflow = a == _FP32_INF
         a = gl.where(overflow, 0.0, a)
         a_hi = _tf32_hi(a)
