@@ -15,8 +15,9 @@ synchronises once per call):
   eagerly);
 * ``gathered_sdpa``: ``extend_attention`` without the certificate as it runs by default on a GPU: K/V
   gathered from the pool in fp16 (``KVPool.gather``), then SDPA per run of equal sequences (``kernels/extend_sdpa.py``);
-  ``gathered_sdpa_bounds``: the same given the offsets on the host (``bounds``, as the SGLang backend
-  passes them), so without a synchronisation; ``per_sequence_bounds`` and ``varlen_bounds``: that with one
+  ``gathered_sdpa_bounds``: the same given the offsets on the host (``bounds``, an ``ExtendBounds`` made
+  once per batch as the SGLang backend does), so without a synchronisation; ``gathered_sdpa_lists``: given them
+  as two lists instead, checked on every call; ``per_sequence_bounds`` and ``varlen_bounds``: that with one
   SDPA call per run, and with one ``varlen_attn`` call, whatever the number of runs;
   ``gather``: the gather alone;
 * ``tiled``: the exact tiled kernel (``LAUNCH.extend_sdpa = False``, ``LAUNCH.extend_tiled = True``);
@@ -43,7 +44,7 @@ from run_info import gpu_run_info
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.varlen import varlen_attn
 
-from witcert.kernels import KVPool, extend_attention
+from witcert.kernels import ExtendBounds, KVPool, extend_attention
 from witcert.kernels.attention import LAUNCH
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
@@ -121,7 +122,8 @@ def bench_shape(
         mask = causal_lower_right(new, prefix + new)
     row: dict = {"sequences": sequences, "prefix": batch.prefixes, "new": news}
 
-    bounds = batch.bounds
+    # Made once per batch, as the SGLang backend does; `lists` variants pass the two lists, checked per call.
+    bounds = ExtendBounds(*batch.bounds)
 
     def extend(
         tiled: bool,
@@ -130,6 +132,7 @@ def bench_shape(
         gathered: bool = False,
         host: bool = False,
         max_calls: int | None = None,
+        lists: bool = False,
     ):
         settings = {"extend_tiled": tiled, "extend_sdpa": gathered}
         if max_calls is not None:
@@ -145,7 +148,7 @@ def bench_shape(
                 # As the SGLang backend calls it: the gathered-SDPA path then returns SDPA's fp16 output as it is.
                 extend_attention(
                     q, pool, 0, qo_indptr, kv_indptr, slots, delta_step=1e-8, certificate=certificate,
-                    out=None if gathered else out, bounds=bounds if host else None,
+                    out=None if gathered else out, bounds=(batch.bounds if lists else bounds) if host else None,
                 )  # fmt: skip
             finally:
                 for name, value in saved.items():
@@ -173,14 +176,15 @@ def bench_shape(
     eager = [
         ("gathered_sdpa", extend(True, gathered=True)),
         ("gathered_sdpa_bounds", extend(True, gathered=True, host=True)),
+        ("gathered_sdpa_lists", extend(True, gathered=True, host=True, lists=True)),
     ]
     eager += [
         ("sdpa_fp16_eager", sdpa),
         ("per_sequence_bounds", extend(True, gathered=True, host=True, max_calls=2**30)),
         ("varlen_bounds", extend(True, gathered=True, host=True, max_calls=0)),
     ]
-    for timing, batch in ((triton.testing.do_bench_cudagraph, variants), (triton.testing.do_bench, eager)):
-        for name, fn in batch:
+    for timing, timed in ((triton.testing.do_bench_cudagraph, variants), (triton.testing.do_bench, eager)):
+        for name, fn in timed:
             if only and name not in only:
                 continue
             try:

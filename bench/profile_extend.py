@@ -1,10 +1,10 @@
 """Where the time of extend without the certificate goes (the SDPA path): device kernels and host functions.
 
 For each shape (``bench_extend.py``'s ``[Bx][~]PREFIX:NEW``) it times ``extend_attention`` eagerly as the
-SGLang backend calls it (offsets given on the host, no ``out``), lists the device kernels of one call with
-``torch.profiler`` (ms per call) and the host functions with ``cProfile`` over many calls. When the eager
-time is well above the kernels' sum, the call is bound by host time, and the ``cProfile`` list says where.
-``cProfile`` slows Python down several times, so its seconds rank functions; they are not timings.
+SGLang backend calls it (offsets given on the host as an ``ExtendBounds``, no ``out``), lists the device
+kernels of one call with ``torch.profiler`` (ms per call) and the host functions with ``cProfile`` over many
+calls. When the eager time is well above the kernels' sum, the call is bound by host time, and the ``cProfile``
+list says where. ``cProfile`` slows Python down several times, so its seconds rank functions; they are not timings.
 
     python bench/profile_extend.py --shapes 64x0:128 8x~4096:256 --output bench/results/extend_profile_h200.txt
 """
@@ -22,12 +22,12 @@ import triton
 from bench_extend import make_batch, parse_shape
 from torch.profiler import ProfilerActivity, profile
 
-from witcert.kernels import extend_attention
+from witcert.kernels import ExtendBounds, extend_attention
 
 
 def profile_shape(shape: str, calls: int) -> str:
     batch = make_batch(*parse_shape(shape))
-    bounds = batch.bounds
+    bounds = ExtendBounds(*batch.bounds)  # once per batch, as the SGLang backend makes it
 
     def run() -> None:
         extend_attention(

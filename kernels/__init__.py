@@ -1,7 +1,8 @@
 """Computes: the reference mathematics (``witcert.kernels.reference``) and the Triton kernels.
 
 Public entry points: ``KVPool`` (the dithered int8 cache and its write kernel), ``decode_attention``
-and ``extend_attention`` (paged attention with the certificate fused in), ``decode_attention_fp16``
+and ``extend_attention`` (paged attention with the certificate fused in; ``ExtendBounds``, an extend batch's
+offsets on the host, checked once per batch), ``decode_attention_fp16``
 (the unquantized baseline), ``select_path`` (which implementation runs on a device).
 """
 
@@ -13,10 +14,12 @@ from witcert.kernels.attention import (
     extend_attention,
 )
 from witcert.kernels.backend import select_path
+from witcert.kernels.extend_bounds import ExtendBounds
 from witcert.kernels.pool import KVPool
 
 __all__ = [
     "AttentionOutput",
+    "ExtendBounds",
     "KVPool",
     "decode_attention",
     "decode_attention_fp16",

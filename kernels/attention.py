@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
 from witcert.kernels import reference
 from witcert.kernels.backend import Path, kernels_module, select_path
+from witcert.kernels.extend_bounds import ExtendBounds, check_kv_end, check_kv_indptr
 from witcert.kernels.pool import KVPool
 
 _MAX_SPLITS = 64
@@ -198,28 +198,11 @@ def _read_back(
     return lists
 
 
-def _check_kv_indptr(kv: list[int], num_indices: int) -> None:
-    if kv[0] < 0:
-        raise ValueError("kv_indptr[0] must be >= 0")
-    if any(b < a for a, b in pairwise(kv)):
-        raise ValueError("kv_indptr must be non-decreasing")
-    if kv[-1] > num_indices:
-        raise ValueError(f"kv_indptr[-1] = {kv[-1]} exceeds len(kv_indices) = {num_indices}")
-
-
-def _check_qo_indptr(qo: list[int], kv: list[int], rows: int) -> None:
-    if qo[0] != 0 or any(b < a for a, b in pairwise(qo)):
-        raise ValueError("qo_indptr must start at 0 and be non-decreasing")
-    if qo[-1] != rows:
-        raise ValueError(f"qo_indptr[-1] = {qo[-1]} must equal the number of query rows {rows}")
-    if any(k1 - k0 < q1 - q0 for (q0, q1), (k0, k1) in zip(pairwise(qo), pairwise(kv), strict=True)):
-        raise ValueError("every sequence needs at least as many KV slots as new tokens (they are written first)")
-
-
 def _check_values(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, pool: KVPool) -> None:
     """The checks that read tensor values: one device synchronisation on the GPU."""
     (kv,) = _read_back(pool, kv_indices, kv_indptr)
-    _check_kv_indptr(kv, kv_indices.numel())
+    check_kv_indptr(kv)
+    check_kv_end(kv, kv_indices.numel())
 
 
 def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -598,7 +581,7 @@ def extend_attention(
     out: torch.Tensor | None = None,
     certificate: bool = True,
     validate: bool | None = None,
-    bounds: tuple[list[int], list[int]] | None = None,
+    bounds: ExtendBounds | tuple[list[int], list[int]] | None = None,
 ) -> AttentionOutput:
     """Causal attention of new tokens over a quantized prefix plus themselves, with a certificate per token.
 
@@ -617,9 +600,10 @@ def extend_attention(
     attention is (the H200 test allows 4e-3 relative for fp16, 2e-2 for bf16), with ``lse`` None and, unless
     ``out`` is given, ``out`` in q's dtype; on the H200 0.99-1.11x the time of SDPA on an fp16 cache for one
     sequence (docs/KERNELS.md, Extend). It needs the
-    offsets on the host: ``bounds`` (``qo_indptr`` and ``kv_indptr`` as lists, which an
-    engine has once per batch) saves reading them back, a synchronisation per call. ``validate`` (default:
-    on CPU only) checks every index against the pool; unvalidated, an out-of-range slot makes the rows that
+    offsets on the host: ``bounds`` (an ``ExtendBounds`` of ``qo_indptr`` and ``kv_indptr``, which an engine
+    makes once per batch; or the two as lists, checked on every call) saves reading them back, a
+    synchronisation per call. ``validate`` (default: on CPU only) checks every index against the pool;
+    unvalidated, an out-of-range slot makes the rows that
     see it NaN.
     """
     _check_common(q, pool, layer, delta_step, certificate)
@@ -632,24 +616,19 @@ def extend_attention(
     validating = validate if validate is not None else q.device.type != "cuda"
     on_sdpa = not certificate and extend_sdpa.covers(q, pool, kv_indices.numel())
     if bounds is not None:
-        qo_host, kv_host = (list(map(int, x)) for x in bounds)
-        if len(qo_host) != qo_indptr.numel() or len(kv_host) != kv_indptr.numel():
-            raise ValueError("bounds must hold qo_indptr and kv_indptr (B + 1 entries each)")
+        bounds = bounds if isinstance(bounds, ExtendBounds) else ExtendBounds(*bounds)
         if validating:
             _read_back(pool, kv_indices)
     elif on_sdpa or validating:
         # The SDPA path slices each sequence on the host, so it reads the offsets back even unvalidated.
-        qo_host, kv_host = _read_back(pool, kv_indices, qo_indptr, kv_indptr, slot_range=validating)
-    if bounds is not None or on_sdpa or validating:
-        _check_kv_indptr(kv_host, kv_indices.numel())
-        _check_qo_indptr(qo_host, kv_host, q.shape[0])
+        bounds = ExtendBounds(*_read_back(pool, kv_indices, qo_indptr, kv_indptr, slot_range=validating))
+    if bounds is not None:
+        bounds.check_against(qo_indptr.numel() - 1, q.shape[0], kv_indices.numel())
     if on_sdpa:
         if out is not None:
             out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
         scale = reference.softmax_scale(sm_scale, q.shape[2])
-        attended = extend_sdpa.attend(
-            q, pool, layer, (qo_host, kv_host), (qo_indptr, kv_indptr), kv_indices, sm_scale=scale
-        )
+        attended = extend_sdpa.attend(q, pool, layer, bounds, (qo_indptr, kv_indptr), kv_indices, sm_scale=scale)
         # Without an ``out`` to fill, SDPA's own half-precision result is returned as it is: copying it into
         # float32 would only round back to the same values at the engine, twice the bytes on the way.
         return AttentionOutput(attended if out is None else out.copy_(attended), None, None, None, "sdpa-gpu")

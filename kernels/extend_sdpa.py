@@ -7,10 +7,10 @@ trades the exactness for speed instead: ``KVPool.gather`` dequantizes every key 
 sequences see into dense tensors of the query's dtype (``x_hat`` rounded once), and
 ``torch.nn.functional.scaled_dot_product_attention`` attends to them, causal with each sequence's queries
 aligned to the end of its keys: one batched call per run of consecutive sequences of equal shape
-(``equal_runs``; a batch of equal prompts is one call). It computes the same attention over the same dequantized
-values, rounded as any fp16 or bf16 attention is (``x_hat`` to the query dtype, the weights before PV):
-the H200 test holds it within 4e-3 (fp16) and 2e-2 (bf16) relative of the float32 reference, where the exact
-kernels reach 1e-5. No LSE comes back.
+(``extend_bounds.equal_runs``; a batch of equal prompts is one call). It computes the same attention over the
+same dequantized values, rounded as any fp16 or bf16 attention is (``x_hat`` to the query dtype, the weights
+before PV): the H200 test holds it within 4e-3 (fp16) and 2e-2 (bf16) relative of the float32 reference, where
+the exact kernels reach 1e-5. No LSE comes back.
 
 Each SDPA call costs host time (about 0.05 ms; 64 mixed prompts of about 128 tokens, one call each: 3.9 ms on
 the H200), so a batch of more than ``LAUNCH.extend_sdpa_max_calls`` (3) runs goes to FlashAttention 2's varlen
@@ -28,13 +28,12 @@ keep logits in float32, still compute them.
 from __future__ import annotations
 
 import inspect
-from itertools import pairwise
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from witcert.kernels.extend_bounds import EqualRun, ExtendBounds
 from witcert.kernels.pool import KVPool
 
 try:
@@ -60,24 +59,24 @@ def attend(
     q: torch.Tensor,
     pool: KVPool,
     layer: int,
-    bounds: tuple[list[int], list[int]],
+    bounds: ExtendBounds,
     indptrs: tuple[torch.Tensor, torch.Tensor],
     kv_indices: torch.Tensor,
     *,
     sm_scale: float,
 ) -> torch.Tensor:
-    """``out`` ``[T, H_q, D]`` in q's dtype. ``bounds`` are ``qo_indptr`` and ``kv_indptr`` as host lists,
-    checked by ``extend_attention`` (the attention kernels trust them); ``indptrs`` the same offsets on the
-    device. A slot out of the pool's range makes the rows that see it NaN (``KVPool.gather``).
+    """``out`` ``[T, H_q, D]`` in q's dtype. ``bounds`` are the offsets on the host, checked against this call
+    by ``extend_attention`` (the attention kernels trust them); ``indptrs`` the same offsets on the device. A
+    slot out of the pool's range makes the rows that see it NaN (``KVPool.gather``).
 
     Consecutive sequences with the same numbers of new and seen tokens share one batched SDPA call
-    (``equal_runs``); a batch of more than ``LAUNCH.extend_sdpa_max_calls`` such runs takes one
-    ``varlen_attn`` call instead, where this PyTorch has it."""
+    (``bounds.runs``); a batch of more than ``LAUNCH.extend_sdpa_max_calls`` such runs takes one
+    FlashAttention 2 varlen call instead, where this PyTorch has it."""
     from witcert.kernels.attention import LAUNCH
 
     keys, values = pool.gather(layer, kv_indices, q.dtype, validate=False)
     q = q if q.stride(2) == 1 else q.contiguous()
-    runs = equal_runs(*bounds)
+    runs = bounds.runs
     if len(runs) > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
         return _attend_varlen(q, keys, values, bounds, indptrs, sm_scale)
     if len(runs) == 1 and runs[0].count * runs[0].new == q.shape[0]:
@@ -106,38 +105,6 @@ def _attend_run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: 
     return attended.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
-class EqualRun(NamedTuple):
-    """``count`` consecutive sequences, each with ``new`` query rows over ``seen`` keys, the first at rows
-    ``q_start`` of q and ``kv_start`` of the gathered keys."""
-
-    q_start: int
-    kv_start: int
-    count: int
-    new: int
-    seen: int
-
-
-def equal_runs(qo_indptr: list[int], kv_indptr: list[int]) -> list[EqualRun]:
-    """The batch as runs of consecutive sequences of equal shape, skipping sequences without new tokens:
-    one SDPA call each. A batch of equal prompts is one run; the offsets must be valid (checked)."""
-    runs: list[EqualRun] = []
-    start = count = new = seen = 0  # the open run: its sequences' first key, number and shape
-    for b in range(len(qo_indptr) - 1):
-        b_new, b_seen = qo_indptr[b + 1] - qo_indptr[b], kv_indptr[b + 1] - kv_indptr[b]
-        if b_new == 0:
-            continue
-        # An idle sequence's keys between two equal ones break the run: they would be read as theirs.
-        if count and (b_new, b_seen) == (new, seen) and start + count * seen == kv_indptr[b]:
-            count += 1
-            continue
-        if count:
-            runs.append(EqualRun(qo_indptr[b] - count * new, start, count, new, seen))
-        start, count, new, seen = kv_indptr[b], 1, b_new, b_seen
-    if count:
-        runs.append(EqualRun(qo_indptr[-1] - count * new, start, count, new, seen))
-    return runs
-
-
 def _batched(rows: torch.Tensor, count: int) -> torch.Tensor:
     """``[count * n, H, D]`` rows of ``count`` sequences as SDPA's ``[count, H, n, D]`` (a view)."""
     return rows.unflatten(0, (count, -1)).transpose(1, 2)
@@ -147,14 +114,14 @@ def _attend_varlen(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    bounds: tuple[list[int], list[int]],
+    bounds: ExtendBounds,
     indptrs: tuple[torch.Tensor, torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
     """The whole batch in one FlashAttention 2 varlen call (causal aligned bottom-right), which costs less than
     one SDPA call per run once there are many of them."""
     qo_indptr, kv_indptr = (x.to(torch.int32) for x in indptrs)
-    lengths = max(b - a for a, b in pairwise(bounds[0])), max(b - a for a, b in pairwise(bounds[1]))
+    lengths = bounds.longest
     if "enable_gqa" in _VARLEN_PARAMETERS or q.shape[1] == keys.shape[1]:
         gqa = {"enable_gqa": True} if "enable_gqa" in _VARLEN_PARAMETERS else {}
         return _varlen.varlen_attn(q, keys, values, qo_indptr, kv_indptr, *lengths, scale=scale, **_CAUSAL, **gqa)

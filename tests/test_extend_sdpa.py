@@ -1,4 +1,4 @@
-"""The SDPA extend path's host-side plan (``extend_sdpa.equal_runs``) and its attention, on CPU.
+"""The SDPA extend path's host-side plan (``extend_bounds``) and its attention, on CPU.
 
 ``extend_attention`` takes this path only on a GPU (``extend_sdpa.covers``); ``attend`` itself runs
 anywhere SDPA does, so CI checks its grouping of sequences into batched calls against the float32
@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from witcert.kernels import extend_sdpa
 from witcert.kernels.attention import LAUNCH
-from witcert.kernels.extend_sdpa import EqualRun, equal_runs
+from witcert.kernels.extend_bounds import EqualRun, ExtendBounds, equal_runs
 
 DELTA = 1e-3
 
@@ -49,7 +49,7 @@ def test_attend_batches_equal_sequences_and_matches_the_reference(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(LAUNCH, "extend_sdpa_max_calls", 8)
-    bounds = (qo_indptr.tolist(), kv_indptr.tolist())
+    bounds = ExtendBounds(qo_indptr.tolist(), kv_indptr.tolist())
     with CountCalls():
         out = extend_sdpa.attend(q, pool, 1, bounds, (qo_indptr, kv_indptr), slots, sm_scale=128**-0.5)
     assert out.dtype == torch.float16 and calls == [3, 1, 1]
@@ -62,3 +62,26 @@ def test_attend_batches_equal_sequences_and_matches_the_reference(monkeypatch):
 def test_sdpa_path_is_not_taken_off_the_gpu_or_for_another_dtype(dtype):
     pool, _, _ = filled_pool([4], kv_heads=2, v_dither=False)
     assert not extend_sdpa.covers(torch.zeros(4, 14, 128, dtype=dtype), pool, 4)
+
+
+def test_extend_bounds_are_checked_once_and_against_each_call():
+    bounds = ExtendBounds([0, 4, 8], [0, 10, 20])
+    assert bounds.longest == (4, 10) and bounds.runs == [EqualRun(0, 0, 2, 4, 10)]
+    bounds.check_against(2, 8, 20)
+    for qo, kv, message in (
+        ([0, 4], [0, 10, 20], "B \\+ 1 entries"),
+        ([1, 4, 8], [0, 10, 20], "start at 0"),
+        ([0, 9, 8], [0, 10, 20], "non-decreasing"),
+        ([0, 4, 8], [0, 3, 20], "at least as many KV slots"),
+        ([0, 4, 8], [-1, 10, 20], "kv_indptr\\[0\\]"),
+        ([0, 4, 8], [0, 20, 10], "non-decreasing"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ExtendBounds(qo, kv)
+    for call, message in (
+        ((3, 8, 20), "B \\+ 1 entries each"),
+        ((2, 9, 20), "qo_indptr\\[-1\\] = 8"),
+        ((2, 8, 19), "exceeds len\\(kv_indices\\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            bounds.check_against(*call)

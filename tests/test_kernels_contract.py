@@ -26,6 +26,7 @@ from kernel_cases import (  # noqa: E402
 )
 
 from witcert.kernels import (  # noqa: E402
+    ExtendBounds,
     KVPool,
     attention,
     decode_attention,
@@ -447,8 +448,8 @@ def test_tiled_extend_matches_reference(tiled_extend, q_heads, kv_heads, splits,
 
 
 def test_extend_takes_host_offsets_and_checks_them(tiled_extend):
-    """``bounds`` (the offsets as host lists, which an engine has once per batch) give the same result, and
-    are checked like the tensors."""
+    """``bounds`` (the offsets on the host, which an engine has once per batch: an ``ExtendBounds`` or two
+    lists) give the same result, and are checked like the tensors."""
     pool, kv_indptr, slots = filled_pool([20, 7], kv_heads=2, v_dither=False)
     qo_indptr = torch.tensor([0, 3, 7], dtype=torch.int32)
     q = _query(7, 14)
@@ -458,8 +459,14 @@ def test_extend_takes_host_offsets_and_checks_them(tiled_extend):
         q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, bounds=bounds
     )
     assert torch.equal(plain.out, hosted.out)
-    with pytest.raises(ValueError, match="B \\+ 1 entries each"):
+    planned = extend_attention(
+        q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False, bounds=ExtendBounds(*bounds)
+    )
+    assert torch.equal(plain.out, planned.out)
+    with pytest.raises(ValueError, match="B \\+ 1 entries"):
         extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, bounds=([0, 7], bounds[1]))
+    with pytest.raises(ValueError, match="B \\+ 1 entries each"):
+        extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, bounds=([0, 7], [0, 27]))
     with pytest.raises(ValueError, match="at least as many KV slots"):
         extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, bounds=([0, 3, 7], [0, 2, 27]))
     # An empty batch: nothing to read back or to check against the pool.

@@ -51,7 +51,7 @@ from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
 from witcert.integrations.sglang.pool import WitcertKVPool
 from witcert.integrations.step_report import StepReport
-from witcert.kernels import decode_attention, extend_attention
+from witcert.kernels import ExtendBounds, decode_attention, extend_attention
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -83,9 +83,9 @@ class WitcertForwardMetadata:
     kv_indices: torch.Tensor
     qo_indptr: torch.Tensor | None  # extend only: query rows of each sequence
     slot_rows: SlotRows | None = None  # gate-mode decode only
-    # Extend only: qo_indptr and kv_indptr on the host, read back once per batch rather than once per layer
-    # (extend_attention's SDPA path slices sequences on the host).
-    extend_bounds: tuple[list[int], list[int]] | None = None
+    # Extend only: qo_indptr and kv_indptr on the host, read back and checked once per batch rather than once
+    # per layer (extend_attention's SDPA path slices sequences on the host).
+    extend_bounds: ExtendBounds | None = None
 
 
 class WitcertAttnBackend(AttentionBackend):
@@ -181,7 +181,7 @@ class WitcertAttnBackend(AttentionBackend):
             qo_indptr = torch.zeros_like(kv_indptr)
             torch.cumsum(forward_batch.extend_seq_lens.to(self.device, torch.int64), 0, out=qo_indptr[1:])
             offsets = torch.cat((qo_indptr, kv_indptr)).tolist()
-            extend_bounds = (offsets[: qo_indptr.numel()], offsets[qo_indptr.numel() :])
+            extend_bounds = ExtendBounds(offsets[: qo_indptr.numel()], offsets[qo_indptr.numel() :])
         slot_rows = None
         if mode.is_decode() and self.policy.mode is GateMode.GATE:
             slot_rows = self._slot_rows(kv_indptr, kv_indices)
