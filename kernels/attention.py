@@ -69,7 +69,7 @@ class LaunchConfig:
     # keeps every extend on the exact kernels. The gathered K/V are allocated per call, at most this many bytes
     # (else the tiled kernel runs): 2 GiB is 2M keys of 4 KV heads at head_dim 128.
     extend_sdpa: bool = True
-    # Batches of more runs of equal sequences than this (extend_sdpa.equal_runs) take one FlashAttention 2 varlen
+    # Batches of more runs of equal sequences than this (extend_bounds.equal_runs) take one FlashAttention 2 varlen
     # call instead of one SDPA call per run. H200, mixed batches (bench/results/extend_crossover_h200.json and
     # extend_varlen_gqa_h200.json), ms per run / varlen: 2 runs 0.43 / 0.62, 3 runs 0.29 / 0.43, 4 runs
     # 0.61 / 0.54, 5 runs 0.36 / 0.23, 8 runs 0.81 / 0.56, 64 runs 3.88 / 0.18.

@@ -226,7 +226,7 @@ def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, max_c
 
 @pytest.mark.parametrize("prefix", [[200, 200, 200, 0], [0, 0, 0, 0]], ids=["prefix-hits", "prompts"])
 def test_sdpa_extend_batches_equal_sequences_on_gpu(prefix):
-    """Sequences of one shape share a batched SDPA call (``extend_sdpa.equal_runs``): GQA 7:1, with the
+    """Sequences of one shape share a batched SDPA call (``extend_bounds.equal_runs``): GQA 7:1, with the
     causal mask aligned bottom-right (prefix hits) or plain (prompts), against the float32 reference."""
     new = [30, 30, 30, 30]
     pool, kv_indptr, slots = filled_pool(
