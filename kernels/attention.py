@@ -66,14 +66,17 @@ class LaunchConfig:
     # Extend without the certificate on PyTorch's SDPA over K/V gathered from the pool (kernels/extend_sdpa.py):
     # not exact (fp16/bf16 rounding; tested within 4e-3 / 2e-2), 0.99-1.11x SDPA on an fp16 cache for one sequence
     # on the H200, up to 2.9x for batches of many short prompts (docs/KERNELS.md, Extend). False
-    # keeps every extend on the exact kernels. The gathered K/V are allocated per call, at most this many bytes
-    # (else the tiled kernel runs): 2 GiB is 2M keys of 4 KV heads at head_dim 128.
+    # keeps every extend on the exact kernels.
     extend_sdpa: bool = True
     # Batches of more runs of equal sequences than this (extend_bounds.equal_runs) take one FlashAttention 2 varlen
     # call instead of one SDPA call per run. H200, mixed batches (bench/results/extend_crossover_h200.json and
     # extend_varlen_gqa_h200.json), ms per run / varlen: 2 runs 0.43 / 0.62, 3 runs 0.29 / 0.43, 4 runs
     # 0.61 / 0.54, 5 runs 0.36 / 0.23, 8 runs 0.81 / 0.56, 64 runs 3.88 / 0.18.
     extend_sdpa_max_calls: int = 3
+    # The gathered K/V are allocated per call, unknown to the engine's memory planner: at most this many bytes of
+    # consecutive sequences at a time (256 MiB: 256k keys of 4 KV heads at head_dim 128, fp16)...
+    extend_sdpa_chunk_bytes: int = 2**28
+    # ...and of one sequence, which is gathered whole (2 GiB: 2M keys); a longer one runs the tiled kernel.
     extend_sdpa_max_bytes: int = 2**31
 
     def programs_per_sm(self) -> int:
@@ -614,7 +617,7 @@ def extend_attention(
     from witcert.kernels import extend_sdpa
 
     validating = validate if validate is not None else q.device.type != "cuda"
-    on_sdpa = not certificate and extend_sdpa.covers(q, pool, kv_indices.numel())
+    on_sdpa = not certificate and extend_sdpa.covers(q, pool)
     if bounds is not None:
         bounds = bounds if isinstance(bounds, ExtendBounds) else ExtendBounds(*bounds)
         if validating:
@@ -624,7 +627,7 @@ def extend_attention(
         bounds = ExtendBounds(*_read_back(pool, kv_indices, qo_indptr, kv_indptr, slot_range=validating))
     if bounds is not None:
         bounds.check_against(qo_indptr.numel() - 1, q.shape[0], kv_indices.numel())
-    if on_sdpa:
+    if on_sdpa and extend_sdpa.fits(q, pool, bounds):
         if out is not None:
             out = _prepare_out(out, q.shape[0], q.shape[1], q.shape[2], q.device)
         scale = reference.softmax_scale(sm_scale, q.shape[2])

@@ -91,6 +91,24 @@ class ExtendBounds:
             raise ValueError(f"qo_indptr[-1] = {self.qo_indptr[-1]} must equal the number of query rows {rows}")
         check_kv_end(self.kv_indptr, num_indices)
 
+    def chunks(self, max_keys: int) -> list[tuple[int, int]]:
+        """The sequences as consecutive ranges ``[first, end)`` whose keys number at most ``max_keys`` each (a
+        sequence with more is a range of its own): the SDPA path gathers one range's K/V at a time."""
+        kv = self.kv_indptr
+        if kv[-1] - kv[0] <= max_keys:
+            return [(0, len(kv) - 1)]
+        ranges, first = [], 0
+        for end in range(1, len(kv)):
+            if kv[end] - kv[first] > max_keys and end - 1 > first:
+                ranges.append((first, end - 1))
+                first = end - 1
+        return [*ranges, (first, len(kv) - 1)]
+
+    def part(self, first: int, end: int) -> ExtendBounds:
+        """Sequences ``first`` to ``end - 1`` on their own, their offsets counted from their first row and key."""
+        qo, kv = self.qo_indptr[first : end + 1], self.kv_indptr[first : end + 1]
+        return ExtendBounds([x - qo[0] for x in qo], [x - kv[0] for x in kv])
+
     @cached_property
     def runs(self) -> list[EqualRun]:
         """The SDPA path's calls (``equal_runs``)."""

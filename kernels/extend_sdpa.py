@@ -19,7 +19,8 @@ has no ``enable_gqa``, the aten op under it, which takes fewer KV heads than que
 sequence varlen is the slower (a 16k-token prompt 6.1 against 3.5 ms): cuDNN's kernel is faster there.
 
 Runs on CUDA devices of compute capability 8.0 or newer, queries in the pool's dtype (fp16 or bf16),
-head_dim up to 256, where the gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` decides.
+head_dim up to 256, where one sequence's gathered K and V fit ``LAUNCH.extend_sdpa_max_bytes``; ``covers`` and
+``fits`` decide.
 An fp16 key within 1% of fp16's largest value can dequantize past it (``x_hat`` reaches ``127.5 s`` with
 ``s >= amax / 126.5``); it then becomes inf and the rows that see it NaN, where the exact kernels, which
 keep logits in float32, still compute them.
@@ -42,8 +43,9 @@ except ImportError:  # PyTorch before 2.9
     _varlen = None
 
 
-def covers(q: torch.Tensor, pool: KVPool, num_keys: int) -> bool:
-    """Whether extend without the certificate takes this path (``LAUNCH.extend_sdpa`` and the limits above)."""
+def covers(q: torch.Tensor, pool: KVPool) -> bool:
+    """Whether extend without the certificate can take this path (``LAUNCH.extend_sdpa`` and the limits above;
+    ``fits`` then checks the longest sequence)."""
     from witcert.kernels.attention import LAUNCH
 
     if not LAUNCH.extend_sdpa or q.device.type != "cuda" or q.shape[0] == 0:
@@ -51,8 +53,20 @@ def covers(q: torch.Tensor, pool: KVPool, num_keys: int) -> bool:
     # The model's own dtype only: a bf16 pool's values can exceed fp16's range.
     if q.dtype != pool.dtype or q.shape[2] > 256 or q.shape[2] % 8:
         return False
-    gathered = 2 * num_keys * pool.kv_heads * pool.head_dim * q.element_size()
-    return gathered <= LAUNCH.extend_sdpa_max_bytes and torch.cuda.get_device_capability(q.device)[0] >= 8
+    return torch.cuda.get_device_capability(q.device)[0] >= 8
+
+
+def key_bytes(q: torch.Tensor, pool: KVPool) -> int:
+    """Bytes of one gathered key and its value, all KV heads, in q's dtype."""
+    return 2 * pool.kv_heads * pool.head_dim * q.element_size()
+
+
+def fits(q: torch.Tensor, pool: KVPool, bounds: ExtendBounds) -> bool:
+    """Whether the longest sequence's gathered K/V fit ``LAUNCH.extend_sdpa_max_bytes`` (a batch is gathered in
+    chunks of ``LAUNCH.extend_sdpa_chunk_bytes``, but one sequence at once)."""
+    from witcert.kernels.attention import LAUNCH
+
+    return bounds.longest[1] * key_bytes(q, pool) <= LAUNCH.extend_sdpa_max_bytes
 
 
 def attend(
@@ -69,21 +83,48 @@ def attend(
     by ``extend_attention`` (the attention kernels trust them); ``indptrs`` the same offsets on the device. A
     slot out of the pool's range makes the rows that see it NaN (``KVPool.gather``).
 
-    Consecutive sequences with the same numbers of new and seen tokens share one batched SDPA call
-    (``bounds.runs``); a batch of more than ``LAUNCH.extend_sdpa_max_calls`` such runs takes one
-    FlashAttention 2 varlen call instead, where this PyTorch has it."""
+    The K/V of consecutive sequences are gathered at most ``LAUNCH.extend_sdpa_chunk_bytes`` at a time
+    (``bounds.chunks``; one chunk in all but large batches), which bounds the transient memory the engine's
+    planner does not know about. In a chunk, consecutive sequences with the same numbers of new and seen
+    tokens share one batched SDPA call (``bounds.runs``); more than ``LAUNCH.extend_sdpa_max_calls`` such runs
+    take one FlashAttention 2 varlen call instead, where this PyTorch has it."""
     from witcert.kernels.attention import LAUNCH
 
-    keys, values = pool.gather(layer, kv_indices, q.dtype, validate=False)
     q = q if q.stride(2) == 1 else q.contiguous()
+    chunks = bounds.chunks(max(1, LAUNCH.extend_sdpa_chunk_bytes // key_bytes(q, pool)))
+    if len(chunks) == 1:
+        keys, values = pool.gather(layer, kv_indices, q.dtype, validate=False)
+        return _attend_chunk(q, keys, values, bounds, indptrs, sm_scale)
+    out = torch.empty_like(q)
+    for first, end in chunks:
+        part = bounds.part(first, end)
+        q_lo, kv_lo = bounds.qo_indptr[first], bounds.kv_indptr[first]
+        rows = slice(q_lo, q_lo + part.qo_indptr[-1])
+        keys, values = pool.gather(layer, kv_indices[kv_lo : kv_lo + part.kv_indptr[-1]], q.dtype, validate=False)
+        part_indptrs = tuple(x[first : end + 1] - x[first] for x in indptrs)
+        out[rows] = _attend_chunk(q[rows], keys, values, part, part_indptrs, sm_scale)
+    return out
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bounds: ExtendBounds,
+    indptrs: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the batch ``bounds`` describes over its gathered K/V: per run, or varlen."""
+    from witcert.kernels.attention import LAUNCH
+
     runs = bounds.runs
     if len(runs) > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
-        return _attend_varlen(q, keys, values, bounds, indptrs, sm_scale)
+        return _attend_varlen(q, keys, values, bounds, indptrs, scale)
     if len(runs) == 1 and runs[0].count * runs[0].new == q.shape[0]:
-        return _attend_run(q, keys, values, runs[0], sm_scale)  # the whole batch: SDPA's output, not a copy
+        return _attend_run(q, keys, values, runs[0], scale)  # the whole batch: SDPA's output, not a copy
     out = torch.empty_like(q)
     for run in runs:
-        out[run.q_start : run.q_start + run.count * run.new] = _attend_run(q, keys, values, run, sm_scale)
+        out[run.q_start : run.q_start + run.count * run.new] = _attend_run(q, keys, values, run, scale)
     return out
 
 

@@ -61,7 +61,50 @@ def test_attend_batches_equal_sequences_and_matches_the_reference(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sdpa_path_is_not_taken_off_the_gpu_or_for_another_dtype(dtype):
     pool, _, _ = filled_pool([4], kv_heads=2, v_dither=False)
-    assert not extend_sdpa.covers(torch.zeros(4, 14, 128, dtype=dtype), pool, 4)
+    assert not extend_sdpa.covers(torch.zeros(4, 14, 128, dtype=dtype), pool)
+
+
+def test_one_sequence_too_long_to_gather_does_not_fit(monkeypatch):
+    pool, _, _ = filled_pool([4], kv_heads=2, v_dither=False)
+    q = torch.zeros(4, 14, 128, dtype=torch.float16)
+    bounds = ExtendBounds([0, 2, 4], [0, 100, 150])
+    monkeypatch.setattr(LAUNCH, "extend_sdpa_max_bytes", 100 * extend_sdpa.key_bytes(q, pool))
+    assert extend_sdpa.fits(q, pool, bounds)
+    monkeypatch.setattr(LAUNCH, "extend_sdpa_max_bytes", 99 * extend_sdpa.key_bytes(q, pool))
+    assert not extend_sdpa.fits(q, pool, bounds)
+
+
+def test_extend_bounds_split_into_chunks_of_consecutive_sequences():
+    bounds = ExtendBounds([0, 2, 4, 6, 8], [0, 10, 30, 35, 100])  # 10, 20, 5 and 65 keys
+    assert bounds.chunks(100) == [(0, 4)]
+    assert bounds.chunks(30) == [(0, 2), (2, 3), (3, 4)]  # the 65-key sequence alone
+    assert bounds.chunks(25) == [(0, 1), (1, 3), (3, 4)]
+    assert bounds.part(1, 3) == ExtendBounds([0, 2, 4], [0, 20, 25])
+
+
+def test_attend_in_chunks_matches_the_reference(monkeypatch):
+    """A chunk limit of 12 keys gathers the batch a few sequences at a time; every row still matches."""
+    prefix, new = [6, 6, 0, 5, 2], [4, 4, 3, 2, 5]
+    pool, kv_indptr, slots = filled_pool([p + n for p, n in zip(prefix, new, strict=True)], kv_heads=2, v_dither=False)
+    qo_indptr = torch.tensor([0, 4, 8, 11, 13, 18])
+    q = torch.randn(18, 2, 128, generator=torch.Generator().manual_seed(9)).half()
+    bounds = ExtendBounds(qo_indptr.tolist(), kv_indptr.tolist())
+    key = extend_sdpa.key_bytes(q, pool)
+    monkeypatch.setattr(LAUNCH, "extend_sdpa_chunk_bytes", 12 * key)
+    assert len(bounds.chunks(12)) == 4
+    gathered = []
+    gather = pool.gather
+
+    def counted(layer, slots, *args, **kwargs):
+        gathered.append(len(slots))
+        return gather(layer, slots, *args, **kwargs)
+
+    monkeypatch.setattr(pool, "gather", counted)
+    out = extend_sdpa.attend(q, pool, 1, bounds, (qo_indptr, kv_indptr), slots, sm_scale=128**-0.5)
+    for row in range(18):
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA)
+        assert relative_error(out[row], expected.out) < 4e-3, row
+    assert gathered == [10, 10, 3 + 7, 7]
 
 
 def test_extend_bounds_are_checked_once_and_against_each_call():
