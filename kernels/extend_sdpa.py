@@ -29,6 +29,7 @@ keep logits in float32, still compute them.
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,16 @@ try:
     from torch.nn.attention import varlen as _varlen
 except ImportError:  # PyTorch before 2.9
     _varlen = None
+
+
+class Chunk(NamedTuple):
+    """Consecutive sequences of the batch with their gathered K/V: the offsets on the host (counted from the
+    chunk's first row and key) and on the device."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bounds: ExtendBounds
+    indptrs: tuple[torch.Tensor, torch.Tensor]
 
 
 def covers(q: torch.Tensor, pool: KVPool) -> bool:
@@ -94,7 +105,7 @@ def attend(
     chunks = bounds.chunks(max(1, LAUNCH.extend_sdpa_chunk_bytes // key_bytes(q, pool)))
     if len(chunks) == 1:
         keys, values = pool.gather(layer, kv_indices, q.dtype, validate=False)
-        return _attend_chunk(q, keys, values, bounds, indptrs, sm_scale)
+        return _attend_chunk(q, Chunk(keys, values, bounds, indptrs), sm_scale)
     out = torch.empty_like(q)
     for first, end in chunks:
         part = bounds.part(first, end)
@@ -102,33 +113,26 @@ def attend(
         rows = slice(q_lo, q_lo + part.qo_indptr[-1])
         keys, values = pool.gather(layer, kv_indices[kv_lo : kv_lo + part.kv_indptr[-1]], q.dtype, validate=False)
         part_indptrs = tuple(x[first : end + 1] - x[first] for x in indptrs)
-        out[rows] = _attend_chunk(q[rows], keys, values, part, part_indptrs, sm_scale)
+        out[rows] = _attend_chunk(q[rows], Chunk(keys, values, part, part_indptrs), sm_scale)
     return out
 
 
-def _attend_chunk(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bounds: ExtendBounds,
-    indptrs: tuple[torch.Tensor, torch.Tensor],
-    scale: float,
-) -> torch.Tensor:
-    """Attention of the batch ``bounds`` describes over its gathered K/V: per run, or varlen."""
+def _attend_chunk(q: torch.Tensor, chunk: Chunk, scale: float) -> torch.Tensor:
+    """The chunk's attention: per run, or varlen."""
     from witcert.kernels.attention import LAUNCH
 
-    runs = bounds.runs
+    runs = chunk.bounds.runs
     if len(runs) > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
-        return _attend_varlen(q, keys, values, bounds, indptrs, scale)
+        return _attend_varlen(q, chunk, scale)
     if len(runs) == 1 and runs[0].count * runs[0].new == q.shape[0]:
-        return _attend_run(q, keys, values, runs[0], scale)  # the whole batch: SDPA's output, not a copy
+        return _attend_run(q, chunk, runs[0], scale)  # the whole batch: SDPA's output, not a copy
     out = torch.empty_like(q)
     for run in runs:
-        out[run.q_start : run.q_start + run.count * run.new] = _attend_run(q, keys, values, run, scale)
+        out[run.q_start : run.q_start + run.count * run.new] = _attend_run(q, chunk, run, scale)
     return out
 
 
-def _attend_run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: EqualRun, scale: float) -> torch.Tensor:
+def _attend_run(q: torch.Tensor, chunk: Chunk, run: EqualRun, scale: float) -> torch.Tensor:
     """The run's rows of ``out``, ``[count * new, H_q, D]``, from one batched SDPA call."""
     q_rows = slice(run.q_start, run.q_start + run.count * run.new)
     kv_rows = slice(run.kv_start, run.kv_start + run.count * run.seen)
@@ -137,8 +141,8 @@ def _attend_run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: 
     mask = {"is_causal": True} if run.new == run.seen else {"attn_mask": causal_lower_right(run.new, run.seen)}
     attended = F.scaled_dot_product_attention(
         _batched(q[q_rows], run.count),
-        _batched(keys[kv_rows], run.count),
-        _batched(values[kv_rows], run.count),
+        _batched(chunk.keys[kv_rows], run.count),
+        _batched(chunk.values[kv_rows], run.count),
         scale=scale,
         enable_gqa=True,
         **mask,
@@ -151,18 +155,12 @@ def _batched(rows: torch.Tensor, count: int) -> torch.Tensor:
     return rows.unflatten(0, (count, -1)).transpose(1, 2)
 
 
-def _attend_varlen(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bounds: ExtendBounds,
-    indptrs: tuple[torch.Tensor, torch.Tensor],
-    scale: float,
-) -> torch.Tensor:
-    """The whole batch in one FlashAttention 2 varlen call (causal aligned bottom-right), which costs less than
+def _attend_varlen(q: torch.Tensor, chunk: Chunk, scale: float) -> torch.Tensor:
+    """The whole chunk in one FlashAttention 2 varlen call (causal aligned bottom-right), which costs less than
     one SDPA call per run once there are many of them."""
-    qo_indptr, kv_indptr = (x.to(torch.int32) for x in indptrs)
-    lengths = bounds.longest
+    keys, values = chunk.keys, chunk.values
+    qo_indptr, kv_indptr = (x.to(torch.int32) for x in chunk.indptrs)
+    lengths = chunk.bounds.longest
     if "enable_gqa" in _VARLEN_PARAMETERS or q.shape[1] == keys.shape[1]:
         gqa = {"enable_gqa": True} if "enable_gqa" in _VARLEN_PARAMETERS else {}
         return _varlen.varlen_attn(q, keys, values, qo_indptr, kv_indptr, *lengths, scale=scale, **_CAUSAL, **gqa)
