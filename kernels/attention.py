@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -117,8 +118,37 @@ class AttentionOutput:
 _STATS = 7
 
 
-def _with_certificate(out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor, path: Path) -> AttentionOutput:
+def _result(out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor | None, path: Path) -> AttentionOutput:
+    """The output, with the certificate and its accumulators from ``stats`` where there is one."""
+    if stats is None:
+        return AttentionOutput(out, lse, None, None, path)
     return AttentionOutput(out, lse, stats[0], reference.CertificateAccumulators(*stats[1:_STATS]), path)
+
+
+class _SplitBuffers(NamedTuple):
+    """Stage 1's per-split partials and stage 2's results, ``[rows, H_q, splits, ...]`` and ``[rows, H_q]``;
+    the certificate's only with it."""
+
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    # Per split: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
+    part_stats: tuple[torch.Tensor, ...] | None
+    lse: torch.Tensor
+    stats: torch.Tensor | None
+
+
+def _split_buffers(
+    rows: int, num_q_heads: int, splits: int, head_dim: int, certificate: bool, device: torch.device, nan_lse: bool
+) -> _SplitBuffers:
+    """The buffers of one split-KV call, left unwritten; with ``nan_lse`` the per-split LSE and certificate
+    partials start as NaN (a split no program writes then poisons its row in stage 2)."""
+    part_out = torch.empty(rows, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
+    part = torch.empty(_STATS if certificate else 1, rows, num_q_heads, splits, dtype=torch.float32, device=device)
+    if nan_lse:
+        part.fill_(math.nan)
+    lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
+    stats = torch.empty(_STATS, rows, num_q_heads, dtype=torch.float32, device=device) if certificate else None
+    return _SplitBuffers(part_out, part[0], tuple(part[1:_STATS]) if certificate else None, lse, stats)
 
 
 def _pow2(n: int) -> int:
@@ -281,15 +311,9 @@ def _run_triton(
     block_h = _pow2(kv_group)
     head_blocks = pool.kv_heads * -(-kv_group // block_h)
     device = q.device
-    part_out = torch.empty(rows, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device)
-    part = torch.empty(
-        _STATS if certificate else 1, rows, num_q_heads, num_kv_splits, dtype=torch.float32, device=device
+    part_out, part_lse, part_stats, lse, stats = _split_buffers(
+        rows, num_q_heads, num_kv_splits, head_dim, certificate, device, nan_lse=False
     )
-    part_lse = part[0]
-    # Per split: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
-    part_stats = tuple(part[1:_STATS]) if certificate else None
-    lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
-    stats = torch.empty(_STATS, rows, num_q_heads, dtype=torch.float32, device=device) if certificate else None
     q = q if q.stride(2) == 1 else q.contiguous()
     outliers = pool.num_outliers > 0
     # 64-bit addresses only where a side's codes reach 2**31 bytes (32-bit ones take fewer instructions).
@@ -373,9 +397,7 @@ def _run_triton(
         )
     _merge_splits(part_out, part_lse, part_stats, out, lse, stats)
     path: Path = "gluon-gpu" if use_gluon else "triton-gpu" if device.type == "cuda" else "triton-interpreter"
-    if not certificate:
-        return AttentionOutput(out, lse, None, None, path)
-    return _with_certificate(out, lse, stats, path)
+    return _result(out, lse, stats, path)
 
 
 def _stat_pointers(part_stats: tuple[torch.Tensor, ...] | None, part_lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -453,9 +475,7 @@ def _run_reference(
         stats[:, row] = torch.stack(
             (result.certificate, acc.a1_rest, acc.b_rest, acc.u_rest, acc.p_rest, acc.p_max, acc.u_max)
         )
-    if not certificate:
-        return AttentionOutput(out, lse, None, None, "reference")
-    return _with_certificate(out, lse, stats, "reference")
+    return _result(out, lse, stats if certificate else None, "reference")
 
 
 def _dispatch(
@@ -602,12 +622,10 @@ def extend_attention(
     pool instead (``extend_sdpa``; ``LAUNCH.extend_sdpa``): the same attention rounded as half-precision
     attention is (the H200 test allows 4e-3 relative for fp16, 2e-2 for bf16), with ``lse`` None and, unless
     ``out`` is given, ``out`` in q's dtype; on the H200 0.99-1.11x the time of SDPA on an fp16 cache for one
-    sequence (docs/KERNELS.md, Extend). It needs the
-    offsets on the host: ``bounds`` (an ``ExtendBounds`` of ``qo_indptr`` and ``kv_indptr``, which an engine
-    makes once per batch; or the two as lists, checked on every call) saves reading them back, a
-    synchronisation per call. ``validate`` (default: on CPU only) checks every index against the pool;
-    unvalidated, an out-of-range slot makes the rows that
-    see it NaN.
+    sequence (docs/KERNELS.md, Extend). It needs the offsets on the host: ``bounds`` (an ``ExtendBounds`` of
+    ``qo_indptr`` and ``kv_indptr``, which an engine makes once per batch; or the two as lists, checked on
+    every call) saves reading them back, a synchronisation per call. ``validate`` (default: on CPU only)
+    checks every index against the pool; unvalidated, an out-of-range slot makes the rows that see it NaN.
     """
     _check_common(q, pool, layer, delta_step, certificate)
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
@@ -717,15 +735,9 @@ def _run_extend_tiled(
     block_first = (index - first_block) * block_m
     splits = _checked_splits(num_kv_splits, grid_blocks * pool.kv_heads, LAUNCH.programs_per_sm(), device)
     # NaN until written: a row no block covers (a qo_indptr that does not end at T) comes out NaN.
-    part_out = torch.empty(tokens, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
-    part = torch.full(
-        (_STATS if certificate else 1, tokens, num_q_heads, splits), math.nan, dtype=torch.float32, device=device
+    part_out, part_lse, part_stats, lse, stats = _split_buffers(
+        tokens, num_q_heads, splits, head_dim, certificate, device, nan_lse=True
     )
-    part_lse = part[0]
-    # Per split, with the certificate: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
-    part_stats = tuple(part[1:_STATS]) if certificate else None
-    lse = torch.empty(tokens, num_q_heads, dtype=torch.float32, device=device)
-    stats = torch.empty(_STATS, tokens, num_q_heads, dtype=torch.float32, device=device) if certificate else None
     q = q if q.stride(2) == 1 else q.contiguous()
     interpreted = device.type != "cuda"
     if tokens and sequences:
@@ -773,10 +785,7 @@ def _run_extend_tiled(
         lse.fill_(math.nan)
         if stats is not None:
             stats.fill_(math.nan)
-    path: Path = "triton-gpu" if device.type == "cuda" else "triton-interpreter"
-    if stats is None:
-        return AttentionOutput(out, lse, None, None, path)
-    return _with_certificate(out, lse, stats, path)
+    return _result(out, lse, stats, "triton-gpu" if device.type == "cuda" else "triton-interpreter")
 
 
 def decode_attention_fp16(

@@ -184,12 +184,10 @@ class KVPool:
             self._write_reference(layer, slots, k, v)
             return
         kernels = kernels_module()
+        constants = self._pool_constants()
         for side, x in enumerate((k, v)):
             x = x.contiguous()
-            heads_pad = _pow2(self.kv_heads)
-            block_tokens = max(1, _WRITE_ROWS // heads_pad)
-            grid = (triton_cdiv(x.shape[0], block_tokens),)
-            kernels._write_kernel[grid](
+            kernels._write_kernel[(triton_cdiv(x.shape[0], constants["BLOCK_T"]),)](
                 x,
                 slots,
                 self.codes[layer, side],
@@ -206,12 +204,14 @@ class KVPool:
                 OUTLIERS_PAD=max(2, _pow2(self.num_outliers)),
                 KIND_BIT=side,
                 DITHER=self.dithered(SIDES[side]),
-                **self._pool_constants(heads_pad, block_tokens),
+                **constants,
             )
 
-    def _pool_constants(self, heads_pad: int, block_tokens: int) -> dict:
+    def _pool_constants(self) -> dict:
         """The compile-time parameters the write and gather kernels share (per side, the write adds which side
-        and whether it is dithered)."""
+        and whether it is dithered). A program takes ``BLOCK_T`` tokens of all (padded) KV heads."""
+        heads_pad = _pow2(self.kv_heads)
+        block_tokens = max(1, _WRITE_ROWS // heads_pad)
         return dict(
             NUM_KV_HEADS=self.kv_heads,
             HEADS_PAD=heads_pad,
@@ -316,11 +316,10 @@ class KVPool:
             return tuple(self.dequantize(layer, slots, kind).to(dtype) for kind in SIDES)  # type: ignore[return-value]
         from witcert.kernels import triton_gather
 
-        heads_pad = _pow2(self.kv_heads)
-        block_tokens = max(1, _WRITE_ROWS // heads_pad)
+        constants = self._pool_constants()
         out = torch.empty(len(SIDES), slots.shape[0], self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         if slots.numel():
-            triton_gather._gather_dequantize[(triton_cdiv(slots.shape[0], block_tokens), len(SIDES))](
+            triton_gather._gather_dequantize[(triton_cdiv(slots.shape[0], constants["BLOCK_T"]), len(SIDES))](
                 slots,
                 self.codes[layer],
                 self.scales[layer],
@@ -337,7 +336,7 @@ class KVPool:
                 layer,
                 DITHER_K=self.dithered("k"),
                 DITHER_V=self.dithered("v"),
-                **self._pool_constants(heads_pad, block_tokens),
+                **constants,
             )
         return out[0], out[1]
 

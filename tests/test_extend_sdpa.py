@@ -58,8 +58,8 @@ def test_attend_batches_equal_sequences_and_matches_the_reference(monkeypatch):
         assert relative_error(out[row], expected.out) < 4e-3, row
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sdpa_path_is_not_taken_off_the_gpu_or_for_another_dtype(dtype):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_sdpa_path_is_not_taken_off_the_gpu(dtype):
     pool, _, _ = filled_pool([4], kv_heads=2, v_dither=False)
     assert not extend_sdpa.covers(torch.zeros(4, 14, 128, dtype=dtype), pool)
 
