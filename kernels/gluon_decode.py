@@ -57,6 +57,7 @@ HEAD_DIM = gl.constexpr(128)
 GROUP_SIZE = gl.constexpr(32)
 
 _FP32_INF = gl.constexpr(float("inf"))
+_MIN_NORMAL = gl.constexpr(2.0**-126)  # float32's (and tf32's) smallest normal value
 # The loop keeps its logits, maxima and shifts in base-2 units (the softmax scale times log2(e)), so that a
 # weight is one ex2; the stored max and LSE go back to natural units. The scale is negated: the QK MMAs
 # compute the negated logits (_k_operands).
@@ -338,7 +339,10 @@ def _radius_operands(groups, sigma_coef, bias_coef):
 def _radius(tile_scales, radius_ops, tail):
     """``u = c sigma + bias`` per ``[warp, token, head]`` of the tile (the logits' layout), from two tf32
     products of the tokens' scales with ``_radius_operands``: exact products, float32 sums."""
-    s = gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4])
+    # A zero scale (an all-zero group) enters as 2**-126: an overflowed head's infinite bias operand
+    # (``_radius_operands``) would meet it as 0 * inf, NaN, where the reference's radius is +inf. Elsewhere it
+    # adds at most 2**-126 b_g to the bias (a larger radius, still a bound), and its square flushes to 0.
+    s = gl.maximum(gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4]), _MIN_NORMAL)
     s2 = s * s  # exact: an fp16 scale squared has at most 22 significant bits
     hi = _tf32_hi(s2)
     # [warp, token, g, i, o] -> k = 8 o + 4 i + g: (hi, hi, lo, s)[2 o + i].

@@ -453,8 +453,10 @@ def logit_radius(
     q_sq = q_groups.square().sum(-1)  # [H_q, G]
     q_l1 = q_groups.abs().sum(-1)  # [H_q, G]
     scales = k.scales.to(dtype)[:, kv_head_of_query, :].permute(1, 0, 2)  # [H_q, S, G]
-    sigma = sm_scale * torch.sqrt((scales.square() * q_sq[:, None, :]).sum(-1) / 12.0)
-    bias = sm_scale * (scales * q_l1[:, None, :]).sum(-1) * fp_slack(k.dither_bits)
+    # An overflowed |q_g|^2 beside a zero scale (an all-zero group) is 0 * inf: +inf by section 3's rule for
+    # products with an overflowed factor, as the kernels have it, never NaN.
+    sigma = sm_scale * torch.sqrt(_mul_nonneg(scales.square(), q_sq[:, None, :]).sum(-1) / 12.0)
+    bias = sm_scale * _mul_nonneg(scales, q_l1[:, None, :]).sum(-1) * fp_slack(k.dither_bits)
     return tail_multiplier(k.num_tokens, delta) * sigma + bias
 
 

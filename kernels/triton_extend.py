@@ -27,6 +27,7 @@ from witcert.kernels.triton_kernels import (
     neg_xi_group,
     pv_nearest,
     qk_group,
+    radius_from_terms,
     softmax_tile,
     store_certificate_partials,
     tile_slots,
@@ -152,7 +153,7 @@ def _extend_stage1(
 
         tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
         if CERTIFICATE:
-            radius = tl.where(visible, tail[:, None] * tl.sqrt(sigma_sq) + bias, 0.0)
+            radius = tl.where(visible, radius_from_terms(tail[:, None], sigma_sq, bias), 0.0)
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
                 BLOCK_N, not INTERPRETED,

@@ -249,6 +249,14 @@ def add_radius_terms(sigma_sq, bias, q_g, scale_g, sigma_coef, bias_coef):
 
 
 @triton.jit
+def radius_from_terms(tail, sigma_sq, bias):
+    """``u = c sigma + bias``. The terms are NaN only through ``0 * inf``: a zero group scale (an all-zero key
+    group) against a query whose ``|q_g|^2`` overflowed float32. The reference's radius is then +inf
+    (``mul_nonneg``), and so is this one."""
+    return inf_where_nan(tail * tl.sqrt(sigma_sq) + bias)
+
+
+@triton.jit
 def certificate_tile(
     logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
     N: tl.constexpr, FAST_EXP: tl.constexpr,
@@ -761,7 +769,7 @@ def _decode_stage1(
         tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
 
         if CERTIFICATE:
-            radius = tl.where(token_ok[None, :], tail * tl.sqrt(sigma_sq) + bias, 0.0)
+            radius = tl.where(token_ok[None, :], radius_from_terms(tail, sigma_sq, bias), 0.0)
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
                 BLOCK_N, FAST_EXP,

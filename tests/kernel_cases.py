@@ -79,15 +79,37 @@ def far_token_case(
 
 
 def overflowing_query_case(
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", *, zero_groups: bool = False
 ) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Two rows of bf16 queries near 1e20 with the softmax scale 1e-18: logits spread over thousands, so
     almost every weight underflows to 0, while ``|q_g|^2`` overflows float32 and with it every token's radius.
     The reference's certificate is +inf (an infinite radius beside a zero weight counts, ``mul_nonneg``).
+    ``zero_groups``: each row's first 6 tokens get all-zero keys and the next 6 a zero first channel group,
+    whose scales are 0, so the radius meets ``0 * inf`` there.
     Returns (pool, indptr, slots, q, sm_scale); 7 query heads on one KV head, V rounded to nearest."""
     pool, indptr, slots = filled_pool([300, 40], kv_heads=1, v_dither=False, dtype=torch.bfloat16, device=device)
+    if zero_groups:
+        generator = torch.Generator().manual_seed(2)
+        for start in indptr[:-1].tolist():
+            k = torch.randn(12, 1, 128, generator=generator)
+            k[:6] = 0.0
+            k[6:, :, :32] = 0.0
+            v = torch.randn(12, 1, 128, generator=generator)
+            pool.write(1, slots[start : start + 12], k.to(torch.bfloat16).to(device), v.to(torch.bfloat16).to(device))
     q = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(1)) * 1e20
     return pool, indptr, slots, q.to(torch.bfloat16).to(device), 1e-18
+
+
+def overflowing_extend_case(
+    device: torch.device | str = "cpu",
+) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, list[int]]:
+    """``overflowing_query_case`` with zero key groups, as extend: the last 2 and 3 tokens of its two
+    sequences are new, each with its row's query. Returns (pool, qo_indptr, kv_indptr, slots, q, sm_scale,
+    prefix)."""
+    pool, kv_indptr, slots, q, sm_scale = overflowing_query_case(device, zero_groups=True)
+    qo_indptr = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    q = torch.cat((q[:1].expand(2, -1, -1), q[1:].expand(3, -1, -1)))
+    return pool, qo_indptr, kv_indptr, slots, q, sm_scale, [298, 37]
 
 
 def _on_cpu(quantized: reference.QuantizedKV) -> reference.QuantizedKV:
@@ -135,6 +157,7 @@ def extend_oracle(
     row: int,
     *,
     delta: float,
+    sm_scale: float | None = None,
 ) -> reference.DecodeResult:
     """The reference for new token ``row`` of an extend batch over layer 1: its query over the keys it sees
     (its sequence's ``prefix`` and the new tokens up to itself)."""
@@ -142,7 +165,7 @@ def extend_oracle(
     sequence = bisect.bisect_right(starts, row) - 1
     first = int(kv_indptr[sequence])
     visible = slots[first : first + prefix[sequence] + row - starts[sequence] + 1]
-    return oracle(q[row], pool, 1, visible, delta=delta)
+    return oracle(q[row], pool, 1, visible, delta=delta, sm_scale=sm_scale)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -20,6 +20,7 @@ from kernel_cases import (  # noqa: E402
     far_token_case,
     filled_pool,
     oracle,
+    overflowing_extend_case,
     overflowing_query_case,
     paged_slots,
     relative_error,
@@ -301,10 +302,12 @@ def test_an_overflowing_radius_counts_where_its_weight_underflows():
     torch.testing.assert_close(result.out[0].float(), expected.out, rtol=1e-5, atol=1e-5)
 
 
-def test_an_overflowing_radius_gives_an_infinite_certificate():
+@pytest.mark.parametrize("zero_groups", [False, True], ids=["random-keys", "zero-groups"])
+def test_an_overflowing_radius_gives_an_infinite_certificate(zero_groups):
     """A radius beyond float32 is a valid, infinite bound: +inf in the reference and the kernel, never NaN
-    (the reference's ``g(inf)`` was ``inf - inf`` until session 10)."""
-    pool, indptr, slots, q, sm_scale = overflowing_query_case()
+    (the reference's ``g(inf)`` was ``inf - inf`` until session 10, and a zero group scale times the
+    overflowed ``|q_g|^2`` was ``0 * inf`` until session 11)."""
+    pool, indptr, slots, q, sm_scale = overflowing_query_case(zero_groups=zero_groups)
     result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA, num_kv_splits=2)
     for row in range(2):
         row_slots = slots[indptr[row] : indptr[row + 1]]
@@ -445,6 +448,18 @@ def test_tiled_extend_matches_reference(tiled_extend, q_heads, kv_heads, splits,
         torch.testing.assert_close(result.lse[row], expected.lse, rtol=1e-6, atol=1e-5)
         if certificate:
             torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
+
+
+def test_tiled_extend_gives_an_infinite_certificate_where_the_radius_overflows(tiled_extend):
+    """The overflowing-query case with zero key groups, as extend (``overflowing_extend_case``): every
+    certificate is +inf, as in the reference, never NaN."""
+    pool, qo_indptr, kv_indptr, slots, q, sm_scale, prefix = overflowing_extend_case()
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, sm_scale=sm_scale, delta_step=DELTA)
+    assert result.path == "triton-interpreter"
+    for row in range(5):
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA, sm_scale=sm_scale)
+        assert torch.isposinf(expected.certificate).all()
+        assert torch.isposinf(result.certificate[row]).all(), (row, result.certificate[row])
 
 
 def test_extend_takes_host_offsets_and_checks_them(tiled_extend):

@@ -12,11 +12,20 @@ from kernel_cases import (
     far_token_case,
     filled_pool,
     oracle,
+    overflowing_extend_case,
     overflowing_query_case,
     relative_error,
 )
 
-from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, extend_attention, reference
+from witcert.kernels import (
+    ExtendBounds,
+    KVPool,
+    decode_attention,
+    decode_attention_fp16,
+    extend_attention,
+    extend_sdpa,
+    reference,
+)
 from witcert.kernels.attention import LAUNCH, gluon_supports
 
 pytestmark = [
@@ -187,6 +196,17 @@ def test_tiled_extend_matches_reference_on_gpu(tiled_extend, dtype, certificate)
             torch.testing.assert_close(result.certificate[row].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
 
 
+def test_tiled_extend_gives_an_infinite_certificate_where_the_radius_overflows_on_gpu(tiled_extend):
+    """``overflowing_extend_case`` compiled: every certificate +inf, as in the reference."""
+    pool, qo_indptr, kv_indptr, slots, q, sm_scale, prefix = overflowing_extend_case(CUDA)
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, sm_scale=sm_scale, delta_step=DELTA)
+    assert result.path == "triton-gpu"
+    for row in range(5):
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, prefix, row, delta=DELTA, sm_scale=sm_scale)
+        assert torch.isposinf(expected.certificate).all()
+        assert torch.isposinf(result.certificate[row]).all(), (row, result.certificate[row])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gather_is_bit_identical_to_reference_dequantize_on_gpu(dtype):
     """The gather kernel compiled: K dithered, V dithered and nearest, rounded once to fp16 or bf16."""
@@ -198,15 +218,20 @@ def test_gather_is_bit_identical_to_reference_dequantize_on_gpu(dtype):
         assert torch.equal(v_hat, pool.dequantize(1, order, "v").to(dtype))
 
 
+@pytest.mark.parametrize("chunk_keys", [None, 100], ids=["one-chunk", "chunks"])
 @pytest.mark.parametrize("max_calls", [64, 0], ids=["sdpa-per-sequence", "varlen"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, max_calls, monkeypatch):
+def test_sdpa_extend_matches_reference_within_half_precision_on_gpu(dtype, max_calls, chunk_keys, monkeypatch):
     """Extend without the certificate over the gathered K/V, one SDPA call per sequence or one varlen_attn
     call: a prefix hit (causal aligned at the end of the keys), a prompt without a prefix, a single new
     token, GQA 7:1. Against the float32 reference and the exact tiled kernel, at the accuracy of
-    half-precision attention."""
+    half-precision attention. ``chunks``: K/V gathered at most 100 keys at a time, so the 3070-key sequence
+    alone and the other two together (``LAUNCH.extend_sdpa_chunk_bytes``)."""
     monkeypatch.setattr(LAUNCH, "extend_sdpa_max_calls", max_calls)
     prefix, pool, qo_indptr, kv_indptr, slots, q = _prefill_batch(dtype)
+    if chunk_keys is not None:
+        monkeypatch.setattr(LAUNCH, "extend_sdpa_chunk_bytes", chunk_keys * extend_sdpa.key_bytes(q, pool))
+        assert ExtendBounds(qo_indptr.tolist(), kv_indptr.tolist()).chunks(chunk_keys) == [(0, 1), (1, 3)]
     gathered = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, certificate=False)
     assert gathered.path == "sdpa-gpu" and gathered.certificate is None and gathered.lse is None
     bounds = (qo_indptr.tolist(), kv_indptr.tolist())
@@ -326,10 +351,12 @@ def test_an_overflowing_radius_counts_where_its_weight_underflows_on_gpu(stage1)
     assert relative_error(result.out[0], expected.out) < 1e-5
 
 
-def test_an_overflowing_radius_gives_an_infinite_certificate_on_gpu(stage1):
-    """Every radius beyond float32 beside weights that underflowed: +inf, as in the reference. The Gluon stage 1
-    takes such a head's infinity through the radius' bias operand and reads a NaN U_rest as +inf."""
-    pool, indptr, slots, q, sm_scale = overflowing_query_case(CUDA)
+@pytest.mark.parametrize("zero_groups", [False, True], ids=["random-keys", "zero-groups"])
+def test_an_overflowing_radius_gives_an_infinite_certificate_on_gpu(stage1, zero_groups):
+    """Every radius beyond float32 beside weights that underflowed: +inf, as in the reference, also where a zero
+    group scale meets the overflowed ``|q_g|^2``. The Gluon stage 1 takes such a head's infinity through the
+    radius' bias operand and reads a NaN U_rest as +inf."""
+    pool, indptr, slots, q, sm_scale = overflowing_query_case(CUDA, zero_groups=zero_groups)
     result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA)
     assert result.path == _expected_path(q, pool)
     for row in range(2):

@@ -324,6 +324,19 @@ def test_radius_formula_and_outliers_carry_no_radius():
     assert torch.allclose(radius[0], c * sigma + bias, rtol=1e-12)
 
 
+def test_a_zero_scale_beside_an_overflowed_query_gives_an_infinite_radius():
+    """``|q_g|^2`` beyond float32 meets a zero group scale (an all-zero key group): ``0 * inf`` is +inf there,
+    section 3's rule for products with an overflowed factor, where plain float32 would give NaN."""
+    keys = torch.randn(4, 1, 64).to(torch.float16)
+    keys[:2] = 0.0  # both groups' scales 0
+    keys[2, :, :32] = 0.0  # the first group's scale 0
+    k = ref.quantize(keys, seed=0, layer=0, slots=torch.arange(4), kind="k")
+    assert bool((k.scales[:2] == 0).all()) and float(k.scales[2, 0, 0]) == 0.0
+    q = torch.full((1, 64), 1e20, dtype=torch.float32)
+    radius = ref.logit_radius(q, k, sm_scale=1e-18, delta=1e-6, kv_head_of_query=torch.tensor([0]))
+    assert bool(torch.isposinf(radius).all()), radius
+
+
 def test_delta_step_allocates_the_request_budget():
     assert ref.delta_step(28, 28) == pytest.approx(1e-2 / (28 * 28 * 256))
     assert ref.delta_step(2, 4, delta_req=0.1, horizon=10) == pytest.approx(0.1 / 80)
