@@ -6,7 +6,8 @@ lengths spread evenly from half to 1.5 times those (``sequence_shapes``); K dith
 without the certificate is what the SGLang backend's extend calls. Each variant is timed in the same process
 as the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), except the gathered-SDPA ones and
 ``sdpa_fp16_eager``, timed eagerly (``triton.testing.do_bench``; without ``bounds`` the gathered-SDPA path
-synchronises once per call):
+synchronises once per call) in ``--rounds`` interleaved rounds, each variant's median over them and its ratio to
+``sdpa_fp16_eager`` paired per round (``over_sdpa_fp16_eager``):
 
 * ``sdpa_fp16``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous fp16 K/V with the
   bottom-right causal mask (new token ``i`` sees ``prefix + i + 1`` keys), the batch in one call, PyTorch's
@@ -35,6 +36,7 @@ import argparse
 import inspect
 import itertools
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +103,7 @@ def bench_shape(
     sequences: int = 1,
     only: tuple[str, ...] | list[str] = (),
     mixed: bool = False,
+    rounds: int = 5,
 ) -> dict:
     batch = make_batch(prefix, new, sequences, mixed)
     pool, k, v, q = batch.pool, batch.k, batch.v, batch.q
@@ -184,15 +187,43 @@ def bench_shape(
         ("per_sequence_bounds", extend(True, gathered=True, host=True, max_calls=2**30)),
         ("varlen_bounds", extend(True, gathered=True, host=True, max_calls=0)),
     ]
-    for timing, timed in ((triton.testing.do_bench_cudagraph, variants), (triton.testing.do_bench, eager)):
-        for name, fn in timed:
-            if only and name not in only:
-                continue
-            try:
-                row[name] = {"ms": float(timing(fn, rep=100, return_mode="median"))}
-            except Exception as error:  # a backend refusing a shape is a result to report
-                row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    for name, fn in variants:
+        if not only or name in only:
+            row[name] = _timed(lambda fn=fn: triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    row.update(_eager_rounds([(name, fn) for name, fn in eager if not only or name in only], rounds))
     return row
+
+
+def _timed(measure) -> dict:
+    """``{"ms": ...}``, or the error: a backend refusing a shape is a result to report."""
+    try:
+        return {"ms": float(measure())}
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+
+
+def _eager_rounds(timed: list[tuple[str, object]], rounds: int) -> dict:
+    """Host-bound calls drift by about 0.1 ms between runs, so each round times every eager variant once, in
+    turn: a variant's ``ms`` is the median over rounds, ``rounds_ms`` every round's, and ``over_sdpa_fp16_eager``
+    the median of its per-round ratio to the eager fp16 baseline (paired within each round)."""
+    results: dict = {name: {"rounds_ms": []} for name, _ in timed}
+    for _ in range(rounds):
+        for name, fn in timed:
+            result = _timed(lambda fn=fn: triton.testing.do_bench(fn, rep=40, return_mode="median"))
+            if "error" in result:
+                results[name] = result
+            elif "rounds_ms" in results[name]:
+                results[name]["rounds_ms"].append(result["ms"])
+    baseline = results.get("sdpa_fp16_eager", {}).get("rounds_ms")
+    for result in results.values():
+        if "rounds_ms" not in result:
+            continue
+        result["ms"] = statistics.median(result["rounds_ms"])
+        if baseline:
+            result["over_sdpa_fp16_eager"] = statistics.median(
+                a / b for a, b in zip(result["rounds_ms"], baseline, strict=True)
+            )
+    return results
 
 
 def sequence_shapes(prefix: int, new: int, sequences: int, mixed: bool) -> tuple[list[int], list[int]]:
@@ -216,6 +247,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=[],
                         help="ROWS:BLOCK_N:WARPS tilings of the tiled kernel to time too (default: none)")  # fmt: skip
     parser.add_argument("--variants", nargs="*", default=[], help="time only these variants (default: all)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of the eagerly timed variants, each timing all in turn (default: 5)")  # fmt: skip
     parser.add_argument("--output", type=Path, default=Path("bench/results/extend_h200.json"))
     args = parser.parse_args()
     try:
@@ -224,6 +257,8 @@ def main() -> None:
         parser.error(f"--configs takes ROWS:BLOCK_N:WARPS integers, got {args.configs}")
     if any(len(config) != 3 for config in configs):
         parser.error(f"--configs takes ROWS:BLOCK_N:WARPS, got {args.configs}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     results = {
@@ -236,7 +271,7 @@ def main() -> None:
     for shape in args.shapes:
         prefix, new, sequences, mixed = parse_shape(shape)
         per_row = sequences * new * (prefix + new) <= args.per_row_up_to
-        row = bench_shape(prefix, new, per_row, configs, sequences, args.variants, mixed)
+        row = bench_shape(prefix, new, per_row, configs, sequences, args.variants, mixed, args.rounds)
         results["rows"].append(row)
         times = " ".join(f"{k}={v.get('ms', float('nan')):.4f}ms" for k, v in row.items() if isinstance(v, dict))
         print(f"{shape}: {times}", flush=True)
