@@ -65,8 +65,8 @@ class LaunchConfig:
     extend_block_n: int = 64
     extend_num_warps: int = 8
     # Extend without the certificate on PyTorch's SDPA over K/V gathered from the pool (kernels/extend_sdpa.py):
-    # not exact (fp16/bf16 rounding; tested within 4e-3 / 2e-2), 0.99-1.11x SDPA on an fp16 cache for one sequence
-    # on the H200, up to 2.9x for batches of many short prompts (docs/KERNELS.md, Extend). False
+    # not exact (fp16/bf16 rounding; tested within 4e-3 / 2e-2), 0.97-1.16x SDPA on an fp16 cache for one sequence
+    # on the H200, up to 2.1x for batches of many short prompts (docs/KERNELS.md, Extend). False
     # keeps every extend on the exact kernels.
     extend_sdpa: bool = True
     # Batches of more runs of equal sequences than this (extend_bounds.equal_runs) take one FlashAttention 2 varlen
@@ -621,7 +621,7 @@ def extend_attention(
     On a GPU, calls without the certificate run PyTorch's SDPA over the keys and values gathered from the
     pool instead (``extend_sdpa``; ``LAUNCH.extend_sdpa``): the same attention rounded as half-precision
     attention is (the H200 test allows 4e-3 relative for fp16, 2e-2 for bf16), with ``lse`` None and, unless
-    ``out`` is given, ``out`` in q's dtype; on the H200 0.99-1.11x the time of SDPA on an fp16 cache for one
+    ``out`` is given, ``out`` in q's dtype; on the H200 0.97-1.16x the time of SDPA on an fp16 cache for one
     sequence (docs/KERNELS.md, Extend). It needs the offsets on the host: ``bounds`` (an ``ExtendBounds`` of
     ``qo_indptr`` and ``kv_indptr``, which an engine makes once per batch; or the two as lists, checked on
     every call) saves reading them back, a synchronisation per call. ``validate`` (default: on CPU only)
