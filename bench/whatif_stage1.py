@@ -17,6 +17,10 @@ certificates or outputs that differ from the reference), so they never run outsi
   attention does;
 * ``all``: ``philox7``, ``blockradius`` and ``halfpv`` together, the cheapest kernel these contract changes
   allow;
+* ``floor``: ``nophilox``, ``blockradius`` and ``halfpv`` together: no dither stream, the loosest radius and a
+  half-precision output, the floor of what any contract could buy in this kernel's structure (its column
+  without the certificate is close to a plain int8 cache with group scales: it still builds the dither
+  operand and runs its MMAs, from trivial words);
 * ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
   read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
   certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
@@ -130,24 +134,24 @@ def variant(name: str, text: str) -> str:
     if name in ("philox7", "both", "all"):
         for old, new in _PHILOX7:
             text = _replace(text, old, new)
-    if name == "nophilox":
+    if name in ("nophilox", "floor"):
         start, end = text.find(_NOPHILOX_START), text.find(_NOPHILOX_END)
         if start < 0 or end < start:
             raise SystemExit("whatif_stage1: kernels/gluon_decode.py changed; the Philox rounds are not where expected")
         text = text[:start] + _NOPHILOX_BODY + text[end:]
-    if name in ("blockradius", "both", "all"):
+    if name in ("blockradius", "both", "all", "floor"):
         for old, new in _BLOCKRADIUS:
             text = _replace(text, old, new)
     if name == "qshared":
         for old, new in _QSHARED:
             text = _replace(text, old, new)
-    if name in ("halfpv", "all"):
+    if name in ("halfpv", "all", "floor"):
         for old, new in _HALFPV:
             text = _replace(text, old, new)
     return text
 
 
-VARIANTS = ("philox7", "nophilox", "blockradius", "both", "qshared", "halfpv", "all")
+VARIANTS = ("philox7", "nophilox", "blockradius", "both", "qshared", "halfpv", "all", "floor")
 
 
 def main() -> None:
