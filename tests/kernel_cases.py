@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from witcert.kernels import KVPool, reference
+from witcert.kernels import KVPool, extend_attention, reference
 
 
 def paged_slots(total_tokens: int, num_slots: int, page_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -100,16 +100,19 @@ def overflowing_query_case(
     return pool, indptr, slots, q.to(torch.bfloat16).to(device), 1e-18
 
 
-def overflowing_extend_case(
-    device: torch.device | str = "cpu",
-) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, list[int]]:
-    """``overflowing_query_case`` with zero key groups, as extend: the last 2 and 3 tokens of its two
-    sequences are new, each with its row's query. Returns (pool, qo_indptr, kv_indptr, slots, q, sm_scale,
-    prefix)."""
+def overflowing_extend_certificates(device: torch.device | str, *, delta: float) -> str:
+    """``overflowing_query_case`` with zero key groups, as extend: the last 2 and 3 tokens of its two sequences
+    are new, each with its row's query. Asserts that every certificate is +inf in the reference and in
+    ``extend_attention``, never NaN; returns the path that ran."""
     pool, kv_indptr, slots, q, sm_scale = overflowing_query_case(device, zero_groups=True)
     qo_indptr = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
     q = torch.cat((q[:1].expand(2, -1, -1), q[1:].expand(3, -1, -1)))
-    return pool, qo_indptr, kv_indptr, slots, q, sm_scale, [298, 37]
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, sm_scale=sm_scale, delta_step=delta)
+    for row in range(5):
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, [298, 37], row, delta=delta, sm_scale=sm_scale)
+        assert torch.isposinf(expected.certificate).all()
+        assert torch.isposinf(result.certificate[row]).all(), (row, result.certificate[row])
+    return result.path
 
 
 def _on_cpu(quantized: reference.QuantizedKV) -> reference.QuantizedKV:
