@@ -333,6 +333,11 @@ def dither_rows(
 
 
 @triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _write_kernel(
     X,
     Slots,
@@ -385,7 +390,9 @@ def _write_kernel(
     if HAS_OUTLIERS:
         is_outlier = tl.load(OutlierIndex + head[:, None] * HEAD_DIM + channels[None, :]) >= 0
         magnitude = tl.where(is_outlier, 0.0, magnitude)
-    amax = tl.max(tl.reshape(magnitude, (rows, num_groups, GROUP_SIZE)), axis=2)
+    # A NaN makes its group's amax, and so its scale, NaN (tl.max would skip it, as max.f32 does): every reader
+    # of the token then sees NaN, never finite codes standing in for it. (An inf already gives an inf scale.)
+    amax = tl.reduce(tl.reshape(magnitude, (rows, num_groups, GROUP_SIZE)), 2, _max_propagating_nan)
     # The smallest fp16 s with s * 126.5 >= amax, the reference's scale (s * 126.5 is exact). amax times
     # RN(1 / 126.5) is within two fp32 ulps of amax / 126.5, so its fp16 rounding is s or the fp16 value
     # below it, never above: one step up while too small gives s (checked for every fp16 and bf16 amax).

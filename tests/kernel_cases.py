@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from witcert.kernels import KVPool, extend_attention, reference
+from witcert.kernels import KVPool, decode_attention, extend_attention, reference
 
 
 def paged_slots(total_tokens: int, num_slots: int, page_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -112,6 +112,30 @@ def overflowing_extend_certificates(device: torch.device | str, *, delta: float)
         expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, [298, 37], row, delta=delta, sm_scale=sm_scale)
         assert torch.isposinf(expected.certificate).all()
         assert torch.isposinf(result.certificate[row]).all(), (row, result.certificate[row])
+    return result.path
+
+
+def non_finite_token_readers(device: torch.device | str, value: float, side: str, *, delta: float) -> str:
+    """Two rows over one KV head, V rounded to nearest; token 5 of row 0 has ``value`` (NaN or +-inf) in
+    channel 3 of its ``side`` ("k" or "v"), written without validation, as on a GPU by default. Asserts that
+    row 0's decode output is not finite, nor, for K, any of its certificates, and that row 1 (five clean
+    tokens) matches the reference. Returns the path that ran."""
+    generator = torch.Generator().manual_seed(4)
+    pool = KVPool(64, 2, 1, 128, seed=3, v_dither=False, device=device)
+    k = torch.randn(25, 1, 128, generator=generator)
+    v = torch.randn(25, 1, 128, generator=generator)
+    (k if side == "k" else v)[5, 0, 3] = value
+    slots = torch.randperm(64, generator=generator)[:25]
+    pool.write(1, slots.to(device), k.half().to(device), v.half().to(device), validate=False)
+    q = torch.randn(2, 7, 128, generator=generator).half().to(device)
+    indptr = torch.tensor([0, 20, 25], dtype=torch.int32, device=device)
+    result = decode_attention(q, pool, 1, indptr, slots.to(device), delta_step=delta)
+    assert not torch.isfinite(result.out[0]).all()
+    if side == "k":
+        assert not torch.isfinite(result.certificate[0]).any(), result.certificate[0]
+    expected = oracle(q[1], pool, 1, slots[20:].to(device), delta=delta)
+    assert relative_error(result.out[1], expected.out) < 1e-5
+    torch.testing.assert_close(result.certificate[1].cpu(), expected.certificate, rtol=1e-4, atol=0.0)
     return result.path
 
 

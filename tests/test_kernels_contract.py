@@ -19,6 +19,7 @@ from kernel_cases import (  # noqa: E402
     extend_oracle,
     far_token_case,
     filled_pool,
+    non_finite_token_readers,
     oracle,
     overflowing_extend_certificates,
     overflowing_query_case,
@@ -316,6 +317,16 @@ def test_an_overflowing_radius_gives_an_infinite_certificate(zero_groups):
         assert torch.isposinf(expected.certificate).all()
         assert torch.isposinf(result.certificate[row]).all()
         assert relative_error(result.out[row], expected.out) < 1e-5
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_value_written_unvalidated_poisons_only_its_readers(value, side):
+    """A NaN or inf in K or V cannot be quantized; written without validation (the GPU default) it must not
+    come back as finite codes: the row that reads the token gets a non-finite output and, for K, no finite
+    certificate; the other row is untouched. (Before session 11 a NaN key was written as a finite scale and
+    garbage codes: a finite output and certificate.)"""
+    assert non_finite_token_readers("cpu", value, side, delta=DELTA) == "triton-interpreter"
 
 
 def test_decode_without_certificate_gives_the_same_output():

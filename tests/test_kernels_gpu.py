@@ -11,6 +11,7 @@ from kernel_cases import (
     extend_oracle,
     far_token_case,
     filled_pool,
+    non_finite_token_readers,
     oracle,
     overflowing_extend_certificates,
     overflowing_query_case,
@@ -359,6 +360,14 @@ def test_an_overflowing_radius_gives_an_infinite_certificate_on_gpu(stage1, zero
         assert torch.isposinf(expected.certificate).all()
         assert torch.isposinf(result.certificate[row]).all(), result.certificate[row]
         assert relative_error(result.out[row], expected.out) < 1e-5
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_non_finite_value_written_unvalidated_poisons_only_its_readers_on_gpu(value, side, stage1):
+    """The write kernel compiled gives a NaN in K or V a NaN scale (an inf one already is): the reading row's
+    output is not finite, nor, for K, its certificate; the other row matches the reference."""
+    assert non_finite_token_readers(CUDA, value, side, delta=DELTA) == ("gluon-gpu" if stage1 else "triton-gpu")
 
 
 @pytest.mark.parametrize("magnitude", [1e5, 1e-6])
