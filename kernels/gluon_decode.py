@@ -341,7 +341,8 @@ def _radius(tile_scales, radius_ops, tail):
     products of the tokens' scales with ``_radius_operands``: exact products, float32 sums."""
     # A zero scale (an all-zero group) enters as 2**-126: an overflowed head's infinite bias operand
     # (``_radius_operands``) would meet it as 0 * inf, NaN, where the reference's radius is +inf. Elsewhere it
-    # adds at most 2**-126 b_g to the bias (a larger radius, still a bound), and its square flushes to 0.
+    # adds at most 2**-126 b_g to the bias (a larger radius, still a bound), and its square flushes to 0. (A NaN
+    # scale, a NaN key written unvalidated, becomes 2**-126 here too; its logit stays NaN and poisons the row.)
     s = gl.maximum(gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4]), _MIN_NORMAL)
     s2 = s * s  # exact: an fp16 scale squared has at most 22 significant bits
     hi = _tf32_hi(s2)

@@ -250,9 +250,10 @@ def add_radius_terms(sigma_sq, bias, q_g, scale_g, sigma_coef, bias_coef):
 
 @triton.jit
 def radius_from_terms(tail, sigma_sq, bias):
-    """``u = c sigma + bias``. The terms are NaN only through ``0 * inf``: a zero group scale (an all-zero key
-    group) against a query whose ``|q_g|^2`` overflowed float32. The reference's radius is then +inf
-    (``mul_nonneg``), and so is this one."""
+    """``u = c sigma + bias``. The terms are NaN through ``0 * inf``: a zero group scale (an all-zero key group)
+    against a query whose ``|q_g|^2`` overflowed float32. The reference's radius is then +inf (``mul_nonneg``),
+    and so is this one. (A NaN scale, a NaN key written unvalidated, also gives +inf here; its logit is NaN,
+    which poisons the row's output and sums anyway.)"""
     return inf_where_nan(tail * tl.sqrt(sigma_sq) + bias)
 
 
