@@ -43,7 +43,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def start_collector(root: Path) -> tuple[subprocess.Popen, int]:
-    command = [sys.executable, "-m", "witcert.cli", "collector", "--store", f"chdb://{root / 'chdb'}"]
+    command = [sys.executable, "-P", "-m", "witcert.cli", "collector", "--store", f"chdb://{root / 'chdb'}"]
     command += ["--spool", str(root / "spool"), "--otlp-http", "127.0.0.1:0", "--no-grpc", "--log-level", "WARNING"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None

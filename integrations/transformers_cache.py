@@ -106,6 +106,12 @@ _ACTIVE_CACHE: contextvars.ContextVar[WitcertCache | None] = contextvars.Context
 class WitcertCache(Cache):
     """K/V for a batch of unpadded sequences in the witcert int8 pool, certified and gated at every decode step."""
 
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens per sequence; batch row ``b`` owns slots ``[b * max_cache_len, (b + 1) * max_cache_len)``. A
+        property of our own: some transformers 5 releases (5.17) define a read-only ``Cache.max_cache_len``."""
+        return self._max_cache_len
+
     def __init__(
         self,
         config: PreTrainedConfig,
@@ -123,7 +129,7 @@ class WitcertCache(Cache):
             raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
         super().__init__(layers=[WitcertLayer(self, i) for i in range(self.num_layers)])
         self.policy = policy or CachePolicy()
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self.observer = observer
         self.audit = audit
         # The exact backup costs host memory: keep it only where gating (or an audit) reads it.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run): sets up a fresh machine, then runs the fast suite.
-# Slow tests (long Monte Carlo, load tests): `python -m pytest -m slow`. GPU tests: `python -m pytest -m gpu`.
+# Slow tests (long Monte Carlo, load tests): `bash tests/run.sh -m slow`. GPU tests: `bash tests/run.sh -m gpu`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,4 +14,8 @@ python -m pip install --quiet --no-deps sglang==0.5.23
 python -m pip install --quiet -r integrations/sglang/requirements-test.txt
 
 export PYTHONUNBUFFERED=1
+# The card's top-level folder kernels/ would shadow Hugging Face's `kernels` package (a dependency of
+# transformers >= 5.25, imported at its import time) wherever the repository root is on sys.path, as
+# `python -m` puts the working directory there. Safe-path mode keeps it off, in every subprocess too.
+export PYTHONSAFEPATH=1
 python -m pytest "$@"
