@@ -5,9 +5,11 @@ the real kernel in one run with ``bench/bench_kernels.py --baseline-stage1 FILE`
 All but ``qshared`` compute something other than what THEORY.md and the contract tests ask (dithers,
 certificates or outputs that differ from the reference), so they never run outside a benchmark:
 
-* ``philox7``: Philox4x32 with 7 rounds instead of 10 (a cheaper stream from the same family);
-* ``nophilox``: no Philox at all, each dither word one multiply or xor of the counters (no statistical
-  value: the floor of what any cheaper dither stream could buy);
+* ``philox7``: Philox4x32 with 7 rounds instead of 10 for the per-slot dither (a cheaper stream from the
+  same family);
+* ``nophilox``: no Philox at all, each slot's dither word one multiply and xor of the counters (no
+  statistical value: the floor of what any cheaper dither stream could buy; with the split dither, one
+  call per token, it buys little);
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
 * ``both``: ``philox7`` and ``blockradius``;
@@ -43,10 +45,8 @@ _PHILOX7 = [
 ]
 
 _NOPHILOX_START = "    for round_index in range(10):"
-_NOPHILOX_END = '    lines += [f"mov.b32 ${4 * w + t}, c{t}_{w};" for t in calls for w in range(4)]'
-_NOPHILOX_BODY = """    for t in calls:
-        lines += [f"mul.lo.u32 c{t}_0, c{t}_0, 0xD2511F53;", f"xor.b32 c{t}_1, c{t}_1, c{t}_0;",
-                  f"xor.b32 c{t}_2, c{t}_2, c{t}_0;", f"xor.b32 c{t}_3, c{t}_3, c{t}_1;"]
+_NOPHILOX_END = "    # 1.5 - 1/512 = 0x3FBFC000 as a float32."
+_NOPHILOX_BODY = """    lines += ["mul.lo.u32 c0, c0, 0xD2511F53;", "xor.b32 c0, c0, k0;"]
 """
 
 _BLOCKRADIUS = [
@@ -106,11 +106,8 @@ _HALFPV = [
 
 _QSHARED = [
     (
-        "    part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))\n"
-        "    part = mma_v2(dither_op, q_ops[g], part)\n",
-        "    q_op = q_ops[g].load(_OP_B)\n"
-        "    part = mma_v2(code_op, q_op, offset[:, None, :].broadcast_to(4, 32, 8))\n"
-        "    part = mma_v2(dither_op, q_op, part)\n",
+        "    part = mma_v2(code_op, q_ops[g], start)\n",
+        "    part = mma_v2(code_op, q_ops[g].load(_OP_B), start)\n",
     ),
     (
         "    q_ops = (g0[0], g1[0], g2[0], g3[0])\n",

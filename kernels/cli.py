@@ -36,7 +36,7 @@ def _selftest(args: argparse.Namespace) -> int:
     if not on_gpu and not args.no_interpret and os.environ.get("TRITON_INTERPRET") != "1":
         # The interpreter must be chosen before triton is first imported, and other commands'
         # modules may have imported it already: run the check in a fresh interpreter process.
-        command = [sys.executable, "-m", "witcert.kernels.cli", "--seed", str(args.seed)]
+        command = [sys.executable, "-P", "-m", "witcert.kernels.cli", "--seed", str(args.seed)]
         return subprocess.call(command, env={**os.environ, "TRITON_INTERPRET": "1"})
     return run_selftest(args.seed)
 
@@ -58,10 +58,10 @@ def run_selftest(seed: int) -> int:
     pool.write(1, slots, k, v)
     expected = reference.quantize(k.cpu(), seed=seed, layer=1, slots=slots.cpu(), kind="k", dither_bits=8)
     code_mismatches = int((pool.codes[1, 0, slots].cpu() != expected.codes).sum())
-    fields = reference.dither_fields(
+    xi = reference.dither_values(
         seed=seed, layer=1, slots=slots.cpu(), num_kv_heads=kv_heads, head_dim=head_dim, kind="v", dither_bits=8
     )
-    dither_mismatches = int((pool.dither_fields(1, slots, "v", 1).long().cpu() != fields[:, 1]).sum())
+    dither_mismatches = int((pool.dither(1, slots, "v", 1).cpu() != xi[:, 1]).sum())
 
     q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=generator).half().to(device)
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)

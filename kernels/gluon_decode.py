@@ -8,10 +8,11 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   so eight query heads fill the ``n8`` side exactly. Each thread loads 8 contiguous code bytes per
   (token, channel group) and the channel order inside a group is relabelled (a permutation applied to
   K and q alike, which a dot product ignores) so that those bytes are its fragment's ``k`` slots.
-* **Dither.** A thread's 8 channels of a group sit in one half of one Philox call (16 channels per
-  call), and two lanes share each call: each lane computes two calls per token (one asm block for a
-  thread's four tokens) and swaps the halves it does not need with its neighbour (``shfl.bfly 1``), so
-  no call is computed twice.
+* **Dither.** ``xi = alpha_c + beta_t`` (docs/THEORY.md, section 1) costs no per-element work: the
+  per-channel part enters once per split as ``sum_c q_c alpha_c`` per (head, group), and the per-slot
+  part as ``beta_t sum_c q_c``, one multiply-add per logit and group, both in the QK MMAs' start value.
+  ``beta_t`` is one Philox call per token: each lane of a quad computes one of the quad's four tokens and
+  the quad exchanges them.
 * **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T`` in halves of 16 tokens and
   64 channels: a thread loads 8 contiguous V bytes per token, one asm block interleaves tokens t and
   t + 1 by ``prmt`` into ``f16x2`` registers and scales them into the exact ``v_hi + v_lo``, and the
@@ -26,10 +27,10 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
 * **Codes and scales one tile ahead**: tile i + 1's K (codes, scales) and V are copied to shared memory
   by ``cp.async`` while tile i is computed; the membar analysis adds four CTA barriers per tile.
 
-Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code`` and a dither
-byte ``j`` as ``4 + j / 256``, both exact in fp16, and start from ``-(9/2 - 1/512) sum(q_g)``, so that they
-compute the negated logit part exactly up to float32 sums (``_k_operands``); the softmax scale is negated to
-match, and the loop keeps logits in base-2 units (one ``ex2`` per weight). The output uses the exact ``v_hi +
+Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
+and start from ``sum(q_g alpha_g) + beta_t sum(q_g)``, so that they compute the negated logit part ``-q_g .
+(code_g - xi_g)`` up to float32 sums (``_neg_codes``); the softmax scale is negated to match, and the loop keeps
+logits in base-2 units (one ``ex2`` per weight). The output uses the exact ``v_hi +
 v_lo`` split of ``s * code`` with ``2**14 p`` split into ``p_hi + p_mid``. The outputs are the stage-1
 partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and bf16 queries (bf16 scaled per
 head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest, no
@@ -68,43 +69,46 @@ _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
 
-def _philox_asm() -> str:
-    """PTX for four Philox4x32-10 calls (``_philox``): operands ``$0..$15`` are word ``w`` of call ``t`` at
-    ``4 w + t``; inputs ``$16..$19`` counter word 0 per call, ``$20..$23`` word 1, then one register each
-    (``pack=4`` copies) of counter words 2 and 3 and the key words."""
-    calls = range(4)
-    lines = [".reg .b64 p0, p2;", ".reg .b32 lo0, hi0, lo2, hi2, k0, k1;"]
-    lines += [f".reg .b32 c{t}_0, c{t}_1, c{t}_2, c{t}_3;" for t in calls]
-    for t in calls:
-        lines += [f"mov.b32 c{t}_0, ${16 + t};", f"mov.b32 c{t}_1, ${20 + t};", f"mov.b32 c{t}_2, $24;"]
-        lines += [f"mov.b32 c{t}_3, $28;"]
-    lines += ["mov.b32 k0, $32;", "mov.b32 k1, $36;"]
+def _slot_dither_asm() -> str:
+    """PTX for a quad's four per-slot dithers (``_slot_dither``), ``pack=4``: inputs ``$4..$7`` the slots of the
+    thread's four token rows, which the quad's four lanes share; then one register each (``pack=4`` copies) of
+    the layer, KV head word and key. Lane ``b`` of a quad runs the Philox4x32-10 call of its row ``b`` (counter
+    ``(slot, 0, layer, head)``, word 0 only: the last round computes what word 0 needs), turns the top byte
+    ``m`` into ``beta = (1 + m / 256) - (3/2 - 1/512)`` by bits, and output ``$r`` is lane ``r``'s beta."""
+    lines = [".reg .pred is1, is2, is3;", ".reg .b64 p0, p2;"]
+    lines += [".reg .b32 lane, quad, lo0, hi0, lo2, hi2, k0, k1, c0, c1, c2, c3, beta;"]
+    lines += ["mov.u32 lane, %laneid;", "and.b32 quad, lane, 3;", "setp.eq.u32 is1, quad, 1;"]
+    lines += ["setp.eq.u32 is2, quad, 2;", "setp.eq.u32 is3, quad, 3;", "selp.b32 c0, $5, $4, is1;"]
+    lines += ["selp.b32 c0, $6, c0, is2;", "selp.b32 c0, $7, c0, is3;", "mov.b32 c1, 0;", "mov.b32 c2, $8;"]
+    lines += ["mov.b32 c3, $12;", "mov.b32 k0, $16;", "mov.b32 k1, $20;"]
     for round_index in range(10):
-        for t in calls:
+        if round_index < 9:
             lines += [
-                f"mul.wide.u32 p0, c{t}_0, 0xD2511F53;",
-                f"mul.wide.u32 p2, c{t}_2, 0xCD9E8D57;",
+                "mul.wide.u32 p0, c0, 0xD2511F53;",
+                "mul.wide.u32 p2, c2, 0xCD9E8D57;",
                 "mov.b64 {lo0, hi0}, p0;",
                 "mov.b64 {lo2, hi2}, p2;",
-                f"xor.b32 c{t}_0, hi2, c{t}_1;",
-                f"xor.b32 c{t}_0, c{t}_0, k0;",
-                f"xor.b32 c{t}_2, hi0, c{t}_3;",
-                f"xor.b32 c{t}_2, c{t}_2, k1;",
-                f"mov.b32 c{t}_1, lo2;",
-                f"mov.b32 c{t}_3, lo0;",
+                "xor.b32 c0, hi2, c1;",
+                "xor.b32 c0, c0, k0;",
+                "xor.b32 c2, hi0, c3;",
+                "xor.b32 c2, c2, k1;",
+                "mov.b32 c1, lo2;",
+                "mov.b32 c3, lo0;",
+                "add.u32 k0, k0, 0x9E3779B9;",
+                "add.u32 k1, k1, 0xBB67AE85;",
             ]
-        if round_index < 9:
-            lines += ["add.u32 k0, k0, 0x9E3779B9;", "add.u32 k1, k1, 0xBB67AE85;"]
-    lines += [f"mov.b32 ${4 * w + t}, c{t}_{w};" for t in calls for w in range(4)]
+        else:
+            lines += ["mul.hi.u32 hi2, c2, 0xCD9E8D57;", "xor.b32 c0, hi2, c1;", "xor.b32 c0, c0, k0;"]
+    # 1.5 - 1/512 = 0x3FBFC000 as a float32.
+    lines += ["shr.b32 c0, c0, 9;", "and.b32 c0, c0, 0x7F8000;", "or.b32 c0, c0, 0x3F800000;"]
+    lines += ["sub.f32 beta, c0, 0f3FBFC000;", "and.b32 lane, lane, 0x1c;"]
+    for r in range(4):
+        lines += [f"shfl.sync.idx.b32 ${r}, beta, lane, 0x1f, -1;"] + (["add.u32 lane, lane, 1;"] if r < 3 else [])
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_PHILOX_ASM = gl.constexpr(_philox_asm())
+_SLOT_DITHER_ASM = gl.constexpr(_slot_dither_asm())
 _P_SCALE = gl.constexpr(16384.0)
-# The QK MMAs take -code and a dither byte j as 4 + j / 256 (_k_operands); with -xi = (128 - j) / 256 -
-# 1/512 the logit part is -(their sum) + (9/2 - 1/512) sum(q_g), so the accumulator starts at
-# -(9/2 - 1/512) sum(q_g) and the result is negated.
-_DITHER_OFFSET = gl.constexpr(-(4.5 - 1.0 / 512.0))
 
 # mma.sync m16n8k16, batched over the warps: [warp, rows, cols], each warp its own batch entry.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
@@ -112,17 +116,8 @@ _OP_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 2))
 _OP_B = gl.constexpr(gl.DotOperandLayout(1, _MMA, 2))
 _TOKEN_ROW = gl.constexpr(gl.SliceLayout(2, _MMA))  # [warp, token] beside the [warp, token, head] logits
 _HEAD_ROW = gl.constexpr(gl.SliceLayout(1, _MMA))  # [warp, head]: per-warp softmax state
-# K codes of one channel group, [warp, token, 32 channels] viewed as [warp, token, j, a, e4]: a thread
-# holds channels 8 j + 4 a + (0..3) of its tokens (j = lane % 4), 8 contiguous bytes.
-_K_GROUP5 = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0]],
-        lane_bases=[[0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]],
-        warp_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]],
-        block_bases=[],
-        shape=[4, 32, 4, 2, 4],
-    )
-)
+# K codes of one channel group, [warp, token, 32 channels]: a thread holds channels 8 j + (0..7) of its tokens
+# (j = lane % 4), 8 contiguous bytes.
 _K_GROUP = gl.constexpr(
     gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 8, 0], [0, 16, 0]],
@@ -132,8 +127,6 @@ _K_GROUP = gl.constexpr(
         shape=[4, 32, 32],
     )
 )
-# Philox words, [warp, token, j]: one (token, lane column) per element.
-_WORDS = gl.constexpr(gl.SliceLayout(3, gl.SliceLayout(4, _K_GROUP5)))
 # V codes of 16 tokens per warp and half the channels, [warp, token, 64]: loaded index c is channel
 # 16 (c // 8) + 8 half + c % 8, so a thread reads 8 contiguous bytes per token. _V_PAIRS is the same
 # registers reordered so that tokens t and t + 1 are neighbours for the pairing asm; _V_PAIRS4 views
@@ -281,18 +274,21 @@ def _q_scale(q_ptrs, q_mask):
 def _q_group(q_ptrs, q_mask, g: gl.constexpr, q_scale):
     """Group ``g`` of q^T: the relabelled fp16 MMA operand ``q_scale q_g`` (a bf16 query, ``_q_scale``; an
     fp16 one as is, ``q_scale`` unused), ``sum`` of that operand, and ``|q_g|_2^2``, ``|q_g|_1`` of the
-    query itself, per ``[warp, head]`` (laid out as loaded)."""
+    query itself, per ``[warp, head]``, and the operand in float32 ``[warp, channel, head]`` (laid out as
+    loaded, channels not relabelled)."""
     q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0)
     q32 = q_g.to(gl.float32)
     if q_g.dtype == gl.bfloat16:
         operand = (q32 * q_scale[:, None, :]).to(gl.float16)
     else:
         operand = q_g
+    operand32 = operand.to(gl.float32)
     return (
         gl.convert_layout(_relabel_group(operand, 1), _OP_B),
-        gl.sum(operand.to(gl.float32), axis=1),
+        gl.sum(operand32, axis=1),
         gl.sum(q32 * q32, axis=1),
         gl.sum(gl.abs(q32), axis=1),
+        operand32,
     )
 
 
@@ -356,21 +352,14 @@ def _radius(tile_scales, radius_ops, tail):
 
 
 @gluon.jit
-def _philox(seed_lo, seed_hi, c0, c1, c2, c3):
-    """Philox4x32-10 (Random123), the block function ``tl.philox`` runs, for a thread's four calls at once.
-
-    ``c0``, ``c1`` vary per call; ``c2``, ``c3`` and the key are the program's. One asm block runs the four
-    calls (``pack=4``: a thread's four tokens), so the key schedule is computed once for all four and
-    each round's two products come from one ``mul.wide.u32`` each.
-    """
+def _slot_dither(seed_lo, seed_hi, slots, layer, head_word):
+    """The per-slot dither part ``beta_t`` (``reference.slot_dither_fields``) of each token row, laid out as
+    ``slots`` (the logits' rows, ``_TOKEN_ROW``): one Philox call per token, each lane of a quad computing one of
+    the quad's four rows and the quad exchanging them by shuffles (``_slot_dither_asm``)."""
     return gl.inline_asm_elementwise(
-        _PHILOX_ASM,
-        "=r," * 16 + "r," * 23 + "r",
-        [c0, c1, c2, c3, seed_lo, seed_hi],
-        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-        is_pure=True,
-        pack=4,
-    )
+        _SLOT_DITHER_ASM, "=r," * 4 + "r," * 19 + "r", [slots, layer, head_word, seed_lo, seed_hi], dtype=gl.float32,
+        is_pure=True, pack=4,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -403,39 +392,25 @@ def _rescaled(acc, alpha):
 
 
 @gluon.jit
-def _swap_with_neighbour(x):
-    """The value lane ``l ^ 1`` holds (all 32 lanes take part)."""
-    return gl.inline_asm_elementwise(
-        "shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;", "=r,r", [x], dtype=gl.uint32, is_pure=True, pack=1
-    )
-
-
-@gluon.jit
-def _k_operands(codes, words):
-    """Four codes and their word -> fp16 ``-code`` and ``4 + j / 256`` for the word's four dither bytes.
-
-    ``code ^ 0x80`` under the fp16 exponent byte 0x64 is ``1152 + code``, and ``1152`` minus it is exact; a
-    dither byte ``j`` under 0x44 is ``4 + j / 256`` as is. With these the MMAs compute ``-(logit part) -
-    (9/2 - 1/512) sum(q_g)``, which the accumulator's start value cancels (``_qk_group``). Fields count
-    from the word's most significant byte.
-    """
+def _neg_codes(codes):
+    """Four codes -> fp16 ``-code``, two ``f16x2``: ``code ^ 0x80`` under the fp16 exponent byte 0x64 is ``1152 +
+    code``, and ``1152`` minus it is exact. With these the MMAs compute ``-(q_g . code_g)`` plus their start value
+    (``_qk_group``)."""
     return gl.inline_asm_elementwise(
         """
         {
         .reg .b32 biased, offset;
-        xor.b32 biased, $4, 0x80808080;
+        xor.b32 biased, $2, 0x80808080;
         mov.b32 offset, 0x64806480;
         prmt.b32 $0, biased, 0x64646464, 0x4140;
         prmt.b32 $1, biased, 0x64646464, 0x4342;
         sub.rn.f16x2 $0, offset, $0;
         sub.rn.f16x2 $1, offset, $1;
-        prmt.b32 $2, $5, 0x44444444, 0x4243;
-        prmt.b32 $3, $5, 0x44444444, 0x4041;
         }
         """,
-        "=r,=r,=r,=r,r,r,r,r,r",
-        [codes, words],
-        dtype=(gl.float16, gl.float16),
+        "=r,=r,r",
+        [codes],
+        dtype=gl.float16,
         is_pure=True,
         pack=4,
     )
@@ -596,28 +571,17 @@ def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
 
 
 @gluon.jit
-def _qk_group(logits, words, j_odd, k_tiles, scale, q_ops, q_offsets, g: gl.constexpr):
-    """Channel group ``g`` of the tile: two MMAs (codes, dither), scaled by ``scale`` into the negated
-    logits (the MMAs' results are negated, ``_k_operands``; the softmax scale undoes it).
-
-    ``words``: (kept low, kept high, received low, received high) Philox words of the group pair; a lane
-    holds its own words for the groups of its parity and its neighbour's for the others.
-    """
-    mine_lo, mine_hi, got_lo, got_hi = words
-    if g % 2 == 1:
-        own = j_odd
-    else:
-        own = ~j_odd
-    pair = gl.join(gl.where(own, mine_lo, got_lo), gl.where(own, mine_hi, got_hi))
-    pair = gl.convert_layout(pair, gl.SliceLayout(4, _K_GROUP5))
-    pair = gl.reshape(pair[:, :, :, :, None].broadcast_to(4, 32, 4, 2, 4), [4, 32, 32])
+def _qk_group(logits, k_tiles, scale, slot_dither, q_ops, q_dither, g: gl.constexpr):
+    """Channel group ``g`` of the tile: one MMA of ``-code`` with q, started from the dither's share
+    ``sum(q_g alpha_g) + beta_t sum(q_g)`` (``q_dither``: those two sums per head; ``slot_dither``: ``beta_t``
+    per token), so that it computes ``-q_g . (code_g - xi_g)``; scaled by ``scale`` into the negated logits
+    (the softmax scale undoes the sign)."""
     codes = k_tiles[g].load(_K_GROUP)
-    code_op, dither_op = _k_operands(codes, gl.convert_layout(pair, _K_GROUP))
-    code_op = gl.convert_layout(_relabel_group(code_op, 2), _OP_A)
-    dither_op = gl.convert_layout(_relabel_group(dither_op, 2), _OP_A)
-    offset = q_offsets.index(g).load(_HEAD_ROW)
-    part = mma_v2(code_op, q_ops[g], offset[:, None, :].broadcast_to(4, 32, 8))
-    part = mma_v2(dither_op, q_ops[g], part)
+    code_op = gl.convert_layout(_relabel_group(_neg_codes(codes), 2), _OP_A)
+    q_alpha = q_dither.index(2 * g).load(_HEAD_ROW)
+    q_sum = q_dither.index(2 * g + 1).load(_HEAD_ROW)
+    start = q_alpha[:, None, :] + slot_dither[:, :, None] * q_sum[:, None, :]
+    part = mma_v2(code_op, q_ops[g], start)
     return logits + part * scale[:, :, None]
 
 
@@ -673,6 +637,7 @@ def _decode_stage1_gluon(
     KScales,
     VCodes,
     VScales,
+    KAlpha,
     KvStart,
     KvLen,
     KvIndices,
@@ -733,13 +698,16 @@ def _decode_stage1_gluon(
     g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
     g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
     q_ops = (g0[0], g1[0], g2[0], g3[0])
-    # The MMAs' start values (the dither's offset, _k_operands) and the radius operands wait in shared memory,
-    # read once per tile: kept in registers through the loop they would cost more than the spills they save.
-    q_offsets = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
-    q_offsets.index(0).store(g0[1] * _DITHER_OFFSET)
-    q_offsets.index(1).store(g1[1] * _DITHER_OFFSET)
-    q_offsets.index(2).store(g2[1] * _DITHER_OFFSET)
-    q_offsets.index(3).store(g3[1] * _DITHER_OFFSET)
+    # The dither's per-channel share of each group, sum(q_g alpha_g), and sum(q_g) (what beta_t multiplies), both
+    # of the MMA operand (_qk_group), and the radius operands wait in shared memory, read once per tile: kept in
+    # registers through the loop they would cost more than the spills they save.
+    q_dither = gl.allocate_shared_memory(gl.float32, [8, 4, 8], _NORMS_SHARED)
+    alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
+    for g in gl.static_range(4):
+        alpha_g = gl.load(alpha_ptrs + g * GROUP_SIZE)[None, :, None]
+        operand = (g0, g1, g2, g3)[g][4]
+        q_dither.index(2 * g).store(gl.sum(operand * alpha_g, axis=1))
+        q_dither.index(2 * g + 1).store((g0, g1, g2, g3)[g][1])
     radius_ops = (
         gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
         gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
@@ -755,9 +723,6 @@ def _decode_stage1_gluon(
     # Index tensors of each layout the loop loads through.
     warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, _TOKEN_ROW))[:, None] * TOKENS
     tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :]  # [4, 32]
-    lane_j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _WORDS)))[None, None, :]
-    j_odd = (lane_j & 1) == 1
-    call_a = (2 * (lane_j & 1) + (lane_j >> 1)).to(gl.uint32).broadcast_to(4, 32, 4)
     v_tok_l: gl.constexpr = gl.SliceLayout(2, _V_LOAD)
     tok_v = (
         gl.arange(0, 4, layout=gl.SliceLayout(1, v_tok_l))[:, None] * TOKENS
@@ -857,26 +822,15 @@ def _decode_stage1_gluon(
         if HAS_SKIP:
             base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head  # Skip has one byte per row: 32 bits suffice
             token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
-        # The logits' token rows and the Philox words' are distributed alike: a free conversion.
-        counter0 = gl.convert_layout(safe_slots, gl.SliceLayout(2, _WORDS))[:, :, None].broadcast_to(4, 32, 4)
+        # The per-slot dither part, beta_t, one Philox call per token.
+        slot_dither = _slot_dither(key_lo, key_hi, safe_slots, layer_word, head_word)
 
         async_copy.wait_group(1)  # this tile's K
         tile_scales = k_scales.index(stage)
         group_scales = _k_group_scales(tile_scales)
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
-        for half in gl.static_range(2):
-            # Call 2 j0 + j1 + 4 half holds group j0 + 2 half; the neighbour's holds the other group.
-            # A lane keeps words 2 j0, 2 j0 + 1 of its call and sends the other two.
-            w0, w1, w2, w3 = _philox(key_lo, key_hi, counter0, call_a + 4 * half, layer_word, head_word)
-            mine_lo = gl.where(j_odd, w2, w0)
-            mine_hi = gl.where(j_odd, w3, w1)
-            got_lo = _swap_with_neighbour(gl.where(j_odd, w0, w2))
-            got_hi = _swap_with_neighbour(gl.where(j_odd, w1, w3))
-            for parity in gl.static_range(2):
-                logits = _qk_group(
-                    logits, (mine_lo, mine_hi, got_lo, got_hi), j_odd, k_tiles, group_scales[2 * half + parity], q_ops,
-                    q_offsets, 2 * half + parity,
-                )  # fmt: skip
+        for g in gl.static_range(4):
+            logits = _qk_group(logits, k_tiles, group_scales[g], slot_dither, q_ops, q_dither, g)
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()

@@ -2,7 +2,8 @@
 
 Layout (one tensor each, indexed ``[layer, side, slot, kv_head, ...]``, side 0 = K, 1 = V): a token's
 codes for one head are ``head_dim`` contiguous bytes, so a decode tile of tokens reads whole 128-byte
-rows. The dither is never stored: it is regenerated from ``(seed, layer, slot, kv_head, side)``.
+rows. The dither is never stored: it is regenerated from ``(seed, layer, slot, kv_head, side)`` as a per-channel
+part plus a per-slot part (docs/THEORY.md, section 1).
 """
 
 from __future__ import annotations
@@ -86,6 +87,27 @@ class KVPool:
         self.outlier_index = index
         self._outlier_channels_i32 = channels.to(torch.int32).contiguous()
 
+        # The dither's per-channel part alpha of every layer, side and head (float32 [L, 2, H_kv, D]): the decode
+        # kernels read it (a few KB) instead of regenerating it per program; the write and gather kernels
+        # regenerate it, and the tests hold both to the reference.
+        self.channel_dither = torch.stack(
+            [
+                torch.stack(
+                    [
+                        reference.channel_dither_values(
+                            reference.channel_dither_fields(
+                                seed=seed, layer=layer, num_kv_heads=kv_heads, head_dim=head_dim, kind=kind,
+                                dither_bits=dither_bits, device=self.device,
+                            ),
+                            dither_bits,
+                            torch.float32,
+                        )
+                        for kind in SIDES
+                    ]
+                )
+                for layer in range(num_layers)
+            ]
+        ).contiguous()  # fmt: skip
         shape = (num_layers, 2, num_slots, kv_heads)
         self.codes = torch.zeros(*shape, head_dim, dtype=torch.int8, device=self.device)
         self.scales = torch.zeros(*shape, self.num_groups, dtype=torch.float16, device=self.device)
@@ -223,15 +245,15 @@ class KVPool:
             BLOCK_T=block_tokens,
         )
 
-    def dither_fields(self, layer: int, slots: torch.Tensor, kind: reference.Kind, kv_head: int) -> torch.Tensor:
-        """The dither fields ``[N, D]`` (int32) the Triton kernels regenerate for one head: what
-        ``reference.dither_fields`` must equal, bit for bit (``selftest`` and the tests compare them)."""
+    def dither(self, layer: int, slots: torch.Tensor, kind: reference.Kind, kv_head: int) -> torch.Tensor:
+        """The dither ``xi`` ``[N, D]`` (float32) the write and gather kernels regenerate for one head: what
+        ``reference.dither_values`` must equal, bit for bit (``selftest`` and the tests compare them)."""
         self._check_layer(layer)
         slots = self._check_slots(slots)
         if not 0 <= kv_head < self.kv_heads or kind not in SIDES:
             raise ValueError(f"kv_head must be in [0, {self.kv_heads}) and kind 'k' or 'v'")
         if select_path(self.device) == "reference":
-            return reference.dither_fields(
+            return reference.dither_values(
                 seed=self.seed,
                 layer=layer,
                 slots=slots,
@@ -239,12 +261,12 @@ class KVPool:
                 head_dim=self.head_dim,
                 kind=kind,
                 dither_bits=self.dither_bits,
-            )[:, kv_head].to(torch.int32)
-        fields = torch.empty(slots.shape[0], self.head_dim, dtype=torch.int32, device=self.device)
+            )[:, kv_head]
+        xi = torch.empty(slots.shape[0], self.head_dim, dtype=torch.float32, device=self.device)
         if slots.numel():
-            kernels_module()._dither_fields_kernel[(triton_cdiv(slots.shape[0], _WRITE_BLOCK_TOKENS),)](
+            kernels_module()._dither_values_kernel[(triton_cdiv(slots.shape[0], _WRITE_BLOCK_TOKENS),)](
                 slots,
-                fields,
+                xi,
                 slots.shape[0],
                 self.seed,
                 layer,
@@ -253,7 +275,7 @@ class KVPool:
                 DITHER_BITS=self.dither_bits,
                 BLOCK_T=_WRITE_BLOCK_TOKENS,
             )
-        return fields
+        return xi
 
     def _write_reference(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = slots.to(torch.int64)

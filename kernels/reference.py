@@ -101,25 +101,31 @@ def channel_address(channels: torch.Tensor, dither_bits: int) -> tuple[torch.Ten
     return channels // per_call, local // per_word, shift
 
 
-def dither_counter(
-    slots: torch.Tensor, channel_block: torch.Tensor, layer: int, kv_head: torch.Tensor, kind: Kind
-) -> torch.Tensor:
-    """Philox counter words ``(slot, channel block, layer, kv_head | kind << 31)``, broadcast together.
+# Counter word 1 names the part of the dither a call feeds: the per-slot offset or a block of per-channel values.
+SLOT_PART = 0
+CHANNEL_PART = 1
 
-    The slot (not the sequence position) keys the stream: slots stay put under paging, prefix
-    sharing and retraction. The kind bit gives K and V independent streams.
+
+def dither_counter(index: torch.Tensor, part: int, layer: int, kv_head: torch.Tensor, kind: Kind) -> torch.Tensor:
+    """Philox counter words ``(index, part, layer, kv_head | kind << 31)``, broadcast together.
+
+    ``index`` is a slot (``part = SLOT_PART``) or a channel block (``part = CHANNEL_PART``). The slot, not
+    the sequence position, keys the per-slot part: slots stay put under paging, prefix sharing and
+    retraction. The kind bit gives K and V independent streams.
     """
     if kind not in KIND_BIT:
         raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+    if part not in (SLOT_PART, CHANNEL_PART):
+        raise ValueError(f"part must be SLOT_PART or CHANNEL_PART, got {part}")
     if not 0 <= layer <= _MASK32:
         raise ValueError(f"layer must be in [0, 2**32), got {layer}")
     if bool((kv_head >= 2**31).any()) or bool((kv_head < 0).any()):
         raise ValueError("kv_head must be in [0, 2**31): the top bit of the counter word holds the K/V kind")
-    if bool((slots < 0).any()) or bool((slots > _MASK32).any()):
-        raise ValueError("slots must be in [0, 2**32)")
+    if bool((index < 0).any()) or bool((index > _MASK32).any()):
+        raise ValueError("slots and channel blocks must be in [0, 2**32)")
     word3 = kv_head | (KIND_BIT[kind] << 31)
-    c0, c1, c3 = torch.broadcast_tensors(slots, channel_block, word3)
-    return torch.stack((c0, c1, torch.full_like(c0, layer), c3), dim=-1)
+    c0, c3 = torch.broadcast_tensors(index, word3)
+    return torch.stack((c0, torch.full_like(c0, part), torch.full_like(c0, layer), c3), dim=-1)
 
 
 def seed_key(seed: int) -> torch.Tensor:
@@ -129,36 +135,96 @@ def seed_key(seed: int) -> torch.Tensor:
     return torch.tensor([seed & _MASK32, seed >> 32], dtype=torch.int64)
 
 
-def dither_fields(
-    *, seed: int, layer: int, slots: torch.Tensor, num_kv_heads: int, head_dim: int, kind: Kind, dither_bits: int
+def channel_dither_fields(
+    *, seed: int, layer: int, num_kv_heads: int, head_dim: int, kind: Kind, dither_bits: int, device=None
 ) -> torch.Tensor:
-    """Integer dither fields ``j`` in ``[0, 2**b)`` for every (slot, kv head, channel): int64 ``[N, H_kv, D]``.
+    """The per-channel fields ``j`` in ``[0, 2**b)`` of every (kv head, channel): int64 ``[H_kv, D]``.
 
-    Channel ``c`` reads Philox call ``c // C`` (``C`` = channels per call); within the call, local
-    index ``i = c % C`` takes word ``i // F`` and field ``i % F`` (``F`` fields per word), fields
+    Channel ``c`` reads call ``c // C`` of the channel part (``C`` = channels per call); within it,
+    local index ``i = c % C`` takes word ``i // F`` and field ``i % F`` (``F`` fields per word), fields
     counted from the word's most significant bits.
     """
     per_call = channels_per_philox_call(dither_bits)
     if head_dim % per_call:
         raise ValueError(f"head_dim {head_dim} must be a multiple of {per_call} for {dither_bits}-bit dither")
-    device = slots.device
-    slots = slots.to(torch.int64)
     block, word, shift = channel_address(torch.arange(head_dim, device=device), dither_bits)
     heads = torch.arange(num_kv_heads, device=device, dtype=torch.int64)
     calls = torch.arange(head_dim // per_call, device=device, dtype=torch.int64)
-    counter = dither_counter(slots[:, None, None], calls[None, None, :], layer, heads[None, :, None], kind)
-    words = philox4x32_10(counter, seed_key(seed).to(device))  # [N, H, D / C, 4]
-    picked = words[:, :, block, word]  # [N, H, D]
-    return (picked >> shift) & ((1 << dither_bits) - 1)
+    counter = dither_counter(calls[None, :], CHANNEL_PART, layer, heads[:, None], kind)
+    words = philox4x32_10(counter, seed_key(seed).to(device))  # [H, D / C, 4]
+    return (words[:, block, word] >> shift) & ((1 << dither_bits) - 1)
 
 
-def dither_values(fields: torch.Tensor, dither_bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``xi = (j + 1/2) / 2**b - 1/2`` in ``(-1/2, 1/2)``, rounded once (to nearest) into ``dtype``.
+def slot_dither_bits(dither_bits: int) -> int:
+    """Bits of the per-slot part: ``min(b, 16)``. Any ``beta`` on a grid of ``2**-b`` keeps ``alpha + beta mod 1``
+    uniform on ``2**b`` equally spaced points; at 24 bits a finer ``beta`` would let ``fl(x / s + xi)`` reach
+    127.5 and round out of ``[-127, 127]`` (docs/THEORY.md, section 1)."""
+    dithers_per_word(dither_bits)
+    return min(dither_bits, 16)
 
-    Exact in float32 for ``b <= 16``; for ``b = 24`` the float32 value is the nearest to the exact one.
+
+def slot_dither_fields(
+    *, seed: int, layer: int, slots: torch.Tensor, num_kv_heads: int, kind: Kind, dither_bits: int
+) -> torch.Tensor:
+    """The per-slot fields ``m`` in ``[0, 2**min(b, 16))`` of every (slot, kv head): int64 ``[N, H_kv]``, the
+    top bits of word 0 of the slot's call."""
+    bits = slot_dither_bits(dither_bits)
+    slots = slots.to(torch.int64)
+    heads = torch.arange(num_kv_heads, device=slots.device, dtype=torch.int64)
+    counter = dither_counter(slots[:, None], SLOT_PART, layer, heads[None, :], kind)
+    words = philox4x32_10(counter, seed_key(seed).to(slots.device))  # [N, H, 4]
+    return words[..., 0] >> (32 - bits)
+
+
+def channel_dither_values(fields: torch.Tensor, dither_bits: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``alpha = (j + 1/2) / 2**b - 1/2`` in ``(-1/2, 1/2)``, rounded once into ``dtype`` (exact in float32
+    for ``b <= 16``)."""
+    return ((fields.to(torch.float64) + 0.5) / float(1 << dither_bits) - 0.5).to(dtype)
+
+
+def slot_dither_values(fields: torch.Tensor, dither_bits: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``beta = (m + 1/2) / 2**B - 1/2`` in ``(-1/2, 1/2)``, ``B = min(b, 16)`` (exact in float32). Half a step
+    off the integers, like ``alpha``: ``|alpha + beta| <= 1 - 2**-(b+1) - 2**-(B+1)`` on both sides."""
+    return ((fields.to(torch.float64) + 0.5) / float(1 << slot_dither_bits(dither_bits)) - 0.5).to(dtype)
+
+
+def dither_values(
+    *,
+    seed: int,
+    layer: int,
+    slots: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    kind: Kind,
+    dither_bits: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``xi = alpha_c + beta_t`` for every (slot, kv head, channel): ``[N, H_kv, D]`` in ``(-1, 1)``, the sum
+    rounded once into ``dtype`` (exact in float32 for ``b <= 16``).
+
+    Over the per-channel part, a slot's ``xi mod 1`` are independent and uniform on the ``2**b`` points
+    ``(i + 1/2) / 2**b`` whatever its ``beta``; over the per-slot part, so are one channel's across slots
+    whatever ``alpha`` (docs/THEORY.md, section 1).
     """
-    exact = (fields.to(torch.float64) + 0.5) / float(1 << dither_bits) - 0.5
-    return exact.to(dtype)
+    alpha = channel_dither_values(
+        channel_dither_fields(
+            seed=seed,
+            layer=layer,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            kind=kind,
+            dither_bits=dither_bits,
+            device=slots.device,
+        ),
+        dither_bits,
+    )
+    beta = slot_dither_values(
+        slot_dither_fields(
+            seed=seed, layer=layer, slots=slots, num_kv_heads=num_kv_heads, kind=kind, dither_bits=dither_bits
+        ),
+        dither_bits,
+    )
+    return (alpha[None, :, :] + beta[:, :, None]).to(dtype)
 
 
 # --- write path: the quantizer ------------------------------------------------------------------------
@@ -230,7 +296,7 @@ class QuantizedKV:
     def dither(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not self.dithered:
             return torch.zeros(self.codes.shape, dtype=dtype, device=self.codes.device)
-        fields = dither_fields(
+        return dither_values(
             seed=self.seed,
             layer=self.layer,
             slots=self.slots,
@@ -238,8 +304,8 @@ class QuantizedKV:
             head_dim=self.head_dim,
             kind=self.kind,
             dither_bits=self.dither_bits,
+            dtype=dtype,
         )
-        return dither_values(fields, self.dither_bits, dtype)
 
     def channel_scales(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Scales expanded to one per channel ``[N, H_kv, D]``; zero on outlier channels (they carry no error)."""
@@ -335,16 +401,13 @@ def quantize(
 
     if dither:
         xi = dither_values(
-            dither_fields(
-                seed=seed,
-                layer=layer,
-                slots=slots,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                kind=kind,
-                dither_bits=dither_bits,
-            ),
-            dither_bits,
+            seed=seed,
+            layer=layer,
+            slots=slots,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            kind=kind,
+            dither_bits=dither_bits,
         )
     else:
         xi = torch.zeros((), device=x.device)

@@ -24,10 +24,12 @@ from witcert.kernels.triton_kernels import (
     _P_SCALE,
     add_radius_terms,
     certificate_tile,
-    neg_xi_group,
+    channel_dither_terms,
     pv_nearest,
     qk_group,
     radius_from_terms,
+    slot_dither,
+    slot_word,
     softmax_tile,
     store_certificate_partials,
     tile_slots,
@@ -41,6 +43,7 @@ def _extend_stage1(
     KScales,
     VCodes,
     VScales,
+    KAlpha,
     QoIndptr,
     KvIndptr,
     KvIndices,
@@ -94,7 +97,6 @@ def _extend_stage1(
     sequence_ok = (new_tokens >= 0) & (prefix >= 0) & (kv_start >= 0) & (kv_start + kv_len <= num_kv_indices)
     num_groups: tl.constexpr = HEAD_DIM // GROUP_SIZE
     ROWS: tl.constexpr = BLOCK_M * BLOCK_H
-    q_dtype: tl.constexpr = Q.dtype.element_ty
 
     rows = tl.arange(0, ROWS)
     token = first + rows // BLOCK_H  # new-token index within the sequence
@@ -126,7 +128,6 @@ def _extend_stage1(
     g_max = tl.zeros((ROWS,), tl.float32)
     slots_ok = sequence_ok
     head_word = kv_head.to(tl.uint32)
-    group_calls: tl.constexpr = GROUP_SIZE // 16  # 8-bit dithers: 16 channels per Philox call
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         slots, token_ok, in_range = tile_slots(KvIndices, kv_start, offs, hi, num_slots, OFFSETS_64)
@@ -136,14 +137,14 @@ def _extend_stage1(
         sigma_sq = tl.zeros((ROWS, BLOCK_N), tl.float32)
         bias = tl.zeros((ROWS, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
+        slot_beta = slot_dither(slot_word(seed, slots, layer, head_word), 8)
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
             codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
-            neg_xi_g = neg_xi_group(
-                seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls, q_dtype, INTERPRETED
-            )
+            alpha_g = tl.load(KAlpha + kv_head * HEAD_DIM + group_channels)
             q_g = tl.load(q_rows + group_channels[None, :], mask=row_ok[:, None], other=0.0)
-            part = qk_group(q_g, codes_g, neg_xi_g, ROWS, BLOCK_N, INTERPRETED)
+            q_alpha, q_sum = channel_dither_terms(q_g, alpha_g)
+            part = qk_group(q_g, codes_g, q_alpha, q_sum, slot_beta, ROWS, BLOCK_N, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
             if CERTIFICATE:

@@ -98,7 +98,8 @@ def _gather_side(
     scales = tl.load(Scales + slot_base[:, None] * num_groups + groups[None, :], mask=row_ok[:, None], other=0.0)
     value = codes.to(tl.float32)
     if DITHER:
-        value = value - dither_rows(seed, slots, layer, head, KIND_BIT, rows, HEAD_DIM, DITHER_BITS)
+        head_word = tl.arange(0, HEADS_PAD).to(tl.uint32)[:, None] | tl.full((), KIND_BIT << 31, tl.uint32)
+        value = value - dither_rows(seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS)
     x_hat = _by_channel(scales.to(tl.float32), rows, num_groups, GROUP_SIZE) * value
     if HAS_OUTLIERS:
         outlier = tl.load(OutlierIndex + head[:, None] * HEAD_DIM + channels[None, :])

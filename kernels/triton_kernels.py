@@ -29,55 +29,34 @@ _P_SCALE = tl.constexpr(16384.0)
 # NaN is written inline as inf - inf: a NaN global never equals itself, which Triton reads as a changed global.
 
 
-@triton.jit
-def _dither_fields(
-    seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr, DITHER_BITS: tl.constexpr
-):
-    """Integer dither fields ``[N, NCALLS * 16 / (DITHER_BITS / 8)]`` for ``N`` slots, from call ``call0`` on.
-
-    Same addressing as ``reference.channel_address``: call ``c // C``, word ``(c % C) // F``, field
-    ``(c % C) % F`` counted from the word's most significant bits.
-    """
-    words = _dither_words(seed, slots, call0, layer, head_word, N, NCALLS)
-    n: tl.constexpr = N
-    if DITHER_BITS == 8:
-        f0 = words >> 24
-        f1 = (words >> 16) & 0xFF
-        f2 = (words >> 8) & 0xFF
-        f3 = words & 0xFF
-        fields = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (n, NCALLS * 16))
-    elif DITHER_BITS == 16:
-        fields = tl.reshape(tl.join(words >> 16, words & 0xFFFF), (n, NCALLS * 8))
-    else:
-        fields = words >> 8
-    return fields.to(tl.int32)
+# Counter word 1 of a Philox call: the per-slot part of the dither or a block of its per-channel part
+# (reference.SLOT_PART, reference.CHANNEL_PART).
+_SLOT_PART = tl.constexpr(0)
+_CHANNEL_PART = tl.constexpr(1)
 
 
 @triton.jit
-def _dither_words(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
-    """Philox words ``[N, NCALLS * 4]`` (uint32) for ``N`` slots, calls ``call0`` on, in call * 4 + word order.
-
-    ``head_word`` (KV head | kind bit) is a scalar, or ``[N, 1]`` when the rows belong to different heads.
-    """
-    n: tl.constexpr = N
-    c0 = tl.broadcast_to(slots.to(tl.uint32)[:, None], (n, NCALLS))
-    c1 = tl.broadcast_to((call0 + tl.arange(0, NCALLS)).to(tl.uint32)[None, :], (n, NCALLS))
+def _channel_words(seed, call0, layer, head_word, HEADS: tl.constexpr, NCALLS: tl.constexpr):
+    """Philox words ``[HEADS, NCALLS * 4]`` (uint32) of the per-channel part, calls ``call0`` on, in
+    call * 4 + word order. ``head_word`` (KV head | kind bit) is ``[HEADS, 1]``."""
+    c0 = tl.broadcast_to((call0 + tl.arange(0, NCALLS)).to(tl.uint32)[None, :], (HEADS, NCALLS))
     # Broadcast through int32 zeros (works whether Triton passed a scalar as constexpr or tensor).
-    c2 = (tl.zeros((n, NCALLS), tl.int32) + layer).to(tl.uint32)
-    c3 = (tl.zeros((n, NCALLS), tl.int32) + head_word).to(tl.uint32)
+    c1 = (tl.zeros((HEADS, NCALLS), tl.int32) + _CHANNEL_PART).to(tl.uint32)
+    c2 = (tl.zeros((HEADS, NCALLS), tl.int32) + layer).to(tl.uint32)
+    c3 = (tl.zeros((HEADS, NCALLS), tl.int32) + head_word).to(tl.uint32)
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
     # join(join(w0, w2), join(w1, w3))[..., x, y] = w_{2x + y}: the flattened order is call * 4 + word.
-    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (n, NCALLS * 4))
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (HEADS, NCALLS * 4))
 
 
 @triton.jit
-def _dither_unit(words, N: tl.constexpr, NCALLS: tl.constexpr, DITHER_BITS: tl.constexpr):
-    """``1 + j / 2**b`` (float32, exact) for the 8- or 16-bit fields ``j`` of Philox ``words``, in the
-    order of ``_dither_fields``.
+def _unit_fields(words, N: tl.constexpr, NCALLS: tl.constexpr, DITHER_BITS: tl.constexpr):
+    """``1 + j / 2**b`` (float32, exact) for the 8- or 16-bit fields ``j`` of Philox ``words``, in the order of
+    ``reference.channel_address`` (fields count from the word's most significant bits).
 
     Built by bits rather than int -> float conversions: each field shifted to the top of the mantissa
     under the exponent of 1.0 (``0x3F800000``). A difference of two floats in [1, 2) is exact
-    (Sterbenz), so ``xi`` or ``-xi`` then takes one subtraction of a constant in [1, 2).
+    (Sterbenz), so a dither then takes one subtraction of a constant in [1, 2).
     """
     mantissa: tl.constexpr = ((1 << DITHER_BITS) - 1) << (23 - DITHER_BITS)
     # Field i of a word has its top bit at 31 - i b: a shift by 9 - i b puts it at bit 22.
@@ -93,17 +72,47 @@ def _dither_unit(words, N: tl.constexpr, NCALLS: tl.constexpr, DITHER_BITS: tl.c
 
 
 @triton.jit
-def _neg_xi8(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
-    """``-xi = (255 - 2j) / 512 = 767 / 512 - (1 + j / 256)`` (float32, exact) for the 8-bit fields of
-    ``_dither_fields``, same order."""
-    words = _dither_words(seed, slots, call0, layer, head_word, N, NCALLS)
-    return 767.0 / 512.0 - _dither_unit(words, N, NCALLS, 8)
+def channel_dither(seed, call0, layer, head_word, HEADS: tl.constexpr, NCALLS: tl.constexpr, DITHER_BITS: tl.constexpr):
+    """The per-channel part ``alpha = (j + 1/2) / 2**b - 1/2`` ``[HEADS, NCALLS * C]`` (float32; exact for 8 and 16
+    bits, the nearest float32 for 24) of the channels served by calls ``call0 ..``, bit-identical to
+    ``reference.channel_dither_values``."""
+    words = _channel_words(seed, call0, layer, head_word, HEADS, NCALLS)
+    if DITHER_BITS == 24:
+        # 1 + j / 2**24 does not fit float32's 23 mantissa bits: convert the odd integer 2j + 1 - 2**24
+        # (below 2**24 in magnitude, so exact) and scale it by a power of two.
+        fields = (words >> 8).to(tl.int32)
+        alpha = (2 * fields + 1 - (1 << 24)).to(tl.float32) * (0.5 / (1 << 24))
+    else:
+        # alpha = (1 + j / 2**b) - (3/2 - 2**-(b + 1)), exact (_unit_fields).
+        alpha = _unit_fields(words, HEADS, NCALLS, DITHER_BITS) - (1.5 - 0.5 / (1 << DITHER_BITS))
+    return alpha
 
 
 @triton.jit
-def _dither_fields_kernel(
+def slot_word(seed, slots, layer, head_word):
+    """Word 0 of each slot's Philox call (the per-slot part), any shape of ``slots``; ``head_word`` broadcasts."""
+    c0 = slots.to(tl.uint32)
+    zeros = tl.zeros(slots.shape, tl.int32)
+    w0, _, _, _ = tl.philox(
+        seed, c0, (zeros + _SLOT_PART).to(tl.uint32), (zeros + layer).to(tl.uint32), (zeros + head_word).to(tl.uint32)
+    )
+    return w0
+
+
+@triton.jit
+def slot_dither(word, DITHER_BITS: tl.constexpr):
+    """The per-slot part ``beta = (m + 1/2) / 2**B - 1/2`` (float32, exact), ``m`` the top ``B = min(b, 16)`` bits
+    of ``word``: ``1 + m / 2**B`` built by bits, minus ``3/2 - 2**-(B+1)`` (Sterbenz). Bit-identical to
+    ``reference.slot_dither_values``."""
+    bits: tl.constexpr = 16 if DITHER_BITS > 16 else DITHER_BITS
+    mantissa: tl.constexpr = ((1 << bits) - 1) << (23 - bits)
+    return (((word >> 9) & mantissa) | 0x3F800000).to(tl.float32, bitcast=True) - (1.5 - 0.5 / (1 << bits))
+
+
+@triton.jit
+def _dither_values_kernel(
     Slots,
-    Fields,
+    Xi,
     num_tokens,
     seed,
     layer,
@@ -112,14 +121,16 @@ def _dither_fields_kernel(
     DITHER_BITS: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Store the dither fields ``[N, HEAD_DIM]`` the kernels regenerate, to check them against the reference."""
+    """Store the dither ``xi`` ``[N, HEAD_DIM]`` the write and gather kernels use for one head
+    (``dither_rows``), to check it against the reference."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     slots = tl.load(Slots + tokens, mask=token_ok, other=0)
-    per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
-    fields = _dither_fields(seed, slots, 0, layer, head_word, BLOCK_T, HEAD_DIM // per_call, DITHER_BITS)
+    # Through int32 zeros: Triton passes a head word of 0 or 1 as a constexpr, one past 2**31 as uint32.
+    head_words = (tl.zeros((1, 1), tl.int32) + head_word).to(tl.uint32)
+    xi = dither_rows(seed, slots, layer, head_words, BLOCK_T, 1, HEAD_DIM, DITHER_BITS)
     channels = tl.arange(0, HEAD_DIM)
-    tl.store(Fields + tokens[:, None] * HEAD_DIM + channels[None, :], fields, mask=token_ok[:, None])
+    tl.store(Xi + tokens[:, None] * HEAD_DIM + channels[None, :], xi, mask=token_ok[:, None])
 
 
 @triton.jit
@@ -314,22 +325,32 @@ def token_head_rows(Slots, num_tokens, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl
 
 @triton.jit
 def dither_rows(
-    seed, slots, layer, head, KIND_BIT: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    seed, slots, layer, head_word, ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     DITHER_BITS: tl.constexpr,
 ):  # fmt: skip
-    """``xi`` ``[ROWS, HEAD_DIM]`` (float32, exact) of rows ``(slot, head)`` on side ``KIND_BIT``, bit-identical
-    to ``reference.dither_values``: what the write kernel adds and the gather kernel subtracts."""
+    """``xi = alpha + beta`` ``[ROWS, HEAD_DIM]`` (float32) of rows ``(slot, head)``, bit-identical to
+    ``reference.dither_values``: what the write kernel adds and the gather kernel subtracts.
+
+    Rows come head fastest in runs of ``HEADS`` (``token_head_rows``), and ``head_word`` ``[HEADS, 1]`` is each
+    head's ``kv_head | kind << 31``: the per-channel part is computed once per head and repeated over the
+    tokens. The sum is exact for 8 and 16 bits; at 24 bits ``alpha + beta`` is
+    the odd integer ``2j + 1 + 2**8 (2m + 1) - 2**25`` (below 2**25 in magnitude) over ``2**25``, converted once:
+    the nearest float32, as the reference rounds the exact sum.
+    """
     per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
-    head_word = head.to(tl.uint32) | tl.full((), KIND_BIT << 31, tl.uint32)
+    ncalls: tl.constexpr = HEAD_DIM // per_call
+    tokens: tl.constexpr = ROWS // HEADS
+    row_heads = tl.reshape(tl.broadcast_to(tl.reshape(head_word, (1, HEADS)), (tokens, HEADS)), (ROWS,))
+    word = slot_word(seed, slots, layer, row_heads)
     if DITHER_BITS == 24:
-        # 1 + j / 2**24 does not fit float32's 23 mantissa bits: convert the odd integer 2j + 1 - 2**24
-        # (below 2**24 in magnitude, so exact) and scale it by a power of two.
-        fields = _dither_fields(seed, slots, 0, layer, head_word[:, None], ROWS, HEAD_DIM // per_call, 24)
-        xi = (2 * fields + 1 - (1 << 24)).to(tl.float32) * (0.5 / (1 << 24))
+        j = (_channel_words(seed, 0, layer, head_word, HEADS, ncalls) >> 8).to(tl.int32)
+        m = (word >> 16).to(tl.int32)
+        j_rows = tl.reshape(tl.broadcast_to(j[None, :, :], (tokens, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
+        xi = (2 * j_rows + (1 + 256 - (1 << 25)) + (m << 9)[:, None]).to(tl.float32) * (1.0 / (1 << 25))
     else:
-        words = _dither_words(seed, slots, 0, layer, head_word[:, None], ROWS, HEAD_DIM // per_call)
-        # xi = (j + 1/2) / 2**b - 1/2 = (1 + j / 2**b) - (3/2 - 2**-(b + 1)), exact (_dither_unit).
-        xi = _dither_unit(words, ROWS, HEAD_DIM // per_call, DITHER_BITS) - (1.5 - 0.5 / (1 << DITHER_BITS))
+        alpha = channel_dither(seed, 0, layer, head_word, HEADS, ncalls, DITHER_BITS)
+        alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :, :], (tokens, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
+        xi = alpha_rows + slot_dither(word, DITHER_BITS)[:, None]
     return xi
 
 
@@ -374,7 +395,7 @@ def _write_kernel(
 
     No division per element: the scale comes from ``amax * RN(1 / 126.5)`` and one step up, ``x / s``
     is Markstein's corrected product with ``RN(1 / s)`` (one reciprocal per group), 8- and 16-bit dithers
-    are built by bits (``_dither_unit``), and the code is the low byte of ``x / s + xi + 1.5 * 2**23``.
+    are built by bits (``_unit_fields``), and the code is the low byte of ``x / s + xi + 1.5 * 2**23``.
     Why each step is exact: the comments below and docs/KERNELS.md ("Exactness").
     """
     rows: tl.constexpr = BLOCK_T * HEADS_PAD
@@ -420,7 +441,8 @@ def _write_kernel(
     remainder = tl.fma(first, _by_channel(-safe_scale, rows, num_groups, GROUP_SIZE), x)
     scaled = tl.fma(remainder, channel_reciprocal, first)
     if DITHER:
-        scaled = scaled + dither_rows(seed, slots, layer, head, KIND_BIT, rows, HEAD_DIM, DITHER_BITS)
+        head_word = tl.arange(0, HEADS_PAD).to(tl.uint32)[:, None] | tl.full((), KIND_BIT << 31, tl.uint32)
+        scaled = scaled + dither_rows(seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS)
     # |scaled| < 127: the rounded sum is 1.5 * 2**23 + code, whose bits are 0x4B400000 + code, so their low
     # byte is the int8 code (two's complement): no subtraction, no float -> int conversion.
     codes = (scaled + _ROUND_MAGIC).to(tl.int32, bitcast=True)
@@ -487,42 +509,6 @@ def _code_operand(codes, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _neg_xi8_fp16(seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr):
-    """``_neg_xi8`` as fp16 (exact), two channels per instruction (compiled GPU path only).
-
-    ``prmt`` puts a field's byte ``j`` under the exponent byte ``0x44``: the fp16 ``4 + j / 256``. Then
-    ``(4 + j / 256) - 4.5`` and ``-(that) - 1 / 512`` give ``(255 - 2j) / 512``; both steps are exact
-    (multiples of 2**-9 below 1/2 in magnitude), on channel pairs (``f16x2``).
-    """
-    words = _dither_words(seed, slots, call0, layer, head_word, N, NCALLS)
-    # Field i of a word sits in byte 3 - i (fields count from the most significant bits).
-    f0, f1, f2, f3 = tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 pair, bias, sign, tail;
-        mov.b32 bias, 0xC480C480;
-        mov.b32 sign, 0xBC00BC00;
-        mov.b32 tail, 0x98009800;
-        prmt.b32 pair, $4, 0x44444444, 0x4243;
-        add.rn.f16x2 pair, pair, bias;
-        fma.rn.f16x2 pair, pair, sign, tail;
-        mov.b32 {$0, $1}, pair;
-        prmt.b32 pair, $4, 0x44444444, 0x4041;
-        add.rn.f16x2 pair, pair, bias;
-        fma.rn.f16x2 pair, pair, sign, tail;
-        mov.b32 {$2, $3}, pair;
-        }
-        """,
-        "=h,=h,=h,=h,r",
-        [words],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
-    return tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (N, NCALLS * 16))
-
-
-@triton.jit
 def _by_group(x, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """``[N, NG * G]`` -> ``[NG, N, G]``: one batch entry per channel group, for the batched PV dot."""
     return tl.permute(tl.reshape(x, (N, NUM_GROUPS, GROUP_SIZE)), (1, 0, 2))
@@ -574,28 +560,23 @@ def tile_slots(KvIndices, kv_start, offs, hi, num_slots, OFFSETS_64: tl.constexp
 
 
 @triton.jit
-def neg_xi_group(
-    seed, slots, call0, layer, head_word, N: tl.constexpr, NCALLS: tl.constexpr, q_dtype: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):  # fmt: skip
-    """``-xi`` of one channel group's 8-bit dithers for ``N`` slots in the queries' dtype (exact in fp16 and
-    bf16): built by bits for compiled fp16 queries (``_neg_xi8_fp16``), from float32 otherwise."""
-    if q_dtype == tl.float16 and not INTERPRETED:
-        neg_xi = _neg_xi8_fp16(seed, slots, call0, layer, head_word, N, NCALLS)
-    else:
-        neg_xi = _neg_xi8(seed, slots, call0, layer, head_word, N, NCALLS).to(q_dtype)
-    return neg_xi
+def channel_dither_terms(q_g, alpha_g):
+    """The per-channel dither's share of one group's logits, per query row: ``(sum_c q_c alpha_c, sum_c q_c)``
+    in float32 (fp16/bf16 times ``alpha`` is exact in float32; the sums round as the reference's do)."""
+    q32 = q_g.to(tl.float32)
+    return tl.sum(q32 * alpha_g[None, :], axis=1), tl.sum(q32, axis=1)
 
 
 @triton.jit
-def qk_group(q_g, codes_g, neg_xi_g, ROWS: tl.constexpr, N: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``q_g . code_g + q_g . (-xi_g)`` for ``ROWS`` query rows and ``N`` tokens: two dots on exact operands,
-    fp32 accumulation; the group scale is the caller's."""
+def qk_group(q_g, codes_g, q_alpha, q_sum, slot_beta, ROWS: tl.constexpr, N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``q_g . (code_g - xi_g)`` for ``ROWS`` query rows and ``N`` tokens: ``q_g . code_g`` as one dot on exact
+    operands (fp32 accumulation), minus the dither's share ``sum(q_g alpha_g) + beta_t sum(q_g)``: with ``xi =
+    alpha_c + beta_t`` the dither costs one multiply-add per logit, not a dot. The group scale is the caller's."""
     q_dtype: tl.constexpr = q_g.dtype
     part = _dot16(
         q_g, tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)), tl.zeros((ROWS, N), tl.float32), INTERPRETED
     )
-    return _dot16(q_g, tl.trans(neg_xi_g.to(q_dtype)), part, INTERPRETED)
+    return part - (q_alpha[:, None] + q_sum[:, None] * slot_beta[None, :])
 
 
 @triton.jit
@@ -629,6 +610,8 @@ def _decode_stage1(
     VCodes,
     VScales,
     VOutliers,
+    KAlpha,
+    VAlpha,
     OutlierIndex,
     OutlierChannels,
     KvStart,
@@ -687,7 +670,6 @@ def _decode_stage1(
 
     channels = tl.arange(0, HEAD_DIM)
     groups = tl.arange(0, num_groups)
-    q_dtype: tl.constexpr = Q.dtype.element_ty
     if HAS_OUTLIERS:
         outlier_slot = tl.load(OutlierIndex + kv_head * HEAD_DIM + channels)
         exact_channel = outlier_slot >= 0
@@ -723,8 +705,12 @@ def _decode_stage1(
     # Counter word 3 is kv_head | kind << 31; built in uint32 (1 << 31 does not fit int32).
     head_word = kv_head.to(tl.uint32)
     v_head_word = head_word | tl.full((), 1 << 31, tl.uint32)
-    per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
-    group_calls: tl.constexpr = GROUP_SIZE // per_call
+    if V_DITHER:
+        v_alpha = tl.reshape(tl.load(VAlpha + kv_head * HEAD_DIM + channels), (num_groups, 1, GROUP_SIZE))
+        # Exact channels carry no dither: neither part of xi applies to them.
+        v_dithered = tl.full((num_groups, 1, GROUP_SIZE), 1.0, tl.float32)
+        if HAS_OUTLIERS:
+            v_dithered = tl.reshape(tl.where(exact_channel, 0.0, 1.0), (num_groups, 1, GROUP_SIZE))
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         # A masked-off token reads slot 0 and gets logit -inf, radius 0 and weight 0.
@@ -739,22 +725,24 @@ def _decode_stage1(
         sigma_sq = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         bias = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
+        # The decode kernels run 8-bit dithers only (attention.py sends wider ones to the reference).
+        slot_beta = slot_dither(slot_word(seed, slots, layer, head_word), DITHER_BITS)
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
             codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
-            # The decode kernels run 8-bit dithers only (attention.py sends wider ones to the reference).
-            neg_xi_g = neg_xi_group(
-                seed, slots, g * group_calls, layer, head_word, BLOCK_N, group_calls, q_dtype, INTERPRETED
-            )
+            alpha_g = tl.load(KAlpha + kv_head * HEAD_DIM + group_channels)
             q_g = tl.load(
                 Q + row * stride_qb + heads[:, None] * stride_qh + group_channels[None, :],
                 mask=head_ok[:, None],
                 other=0.0,
             )
             if HAS_OUTLIERS:
+                # Exact channels carry no dither (their codes are 0).
                 exact_g = tl.load(OutlierIndex + kv_head * HEAD_DIM + group_channels) >= 0
-                neg_xi_g = tl.where(exact_g[None, :], 0.0, neg_xi_g)
-            part = qk_group(q_g, codes_g, neg_xi_g, BLOCK_H, BLOCK_N, INTERPRETED)
+                q_alpha, q_sum = channel_dither_terms(tl.where(exact_g[None, :], 0.0, q_g), alpha_g)
+            else:
+                q_alpha, q_sum = channel_dither_terms(q_g, alpha_g)
+            part = qk_group(q_g, codes_g, q_alpha, q_sum, slot_beta, BLOCK_H, BLOCK_N, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
             if CERTIFICATE:
@@ -796,13 +784,11 @@ def _decode_stage1(
             acc = _dot16(w_hi, v_operand, acc, INTERPRETED)
             acc = _dot16(w_mid, v_operand, acc, INTERPRETED)
             acc = _dot16(w_lo, v_operand, acc, INTERPRETED)
-            v_neg_xi = _neg_xi8(seed, slots, 0, layer, v_head_word, BLOCK_N, HEAD_DIM // per_call)
-            if HAS_OUTLIERS:
-                v_neg_xi = tl.where(exact_channel[None, :], 0.0, v_neg_xi)
-            xi_operand = _by_group(v_neg_xi.to(tl.bfloat16), BLOCK_N, num_groups, GROUP_SIZE)
-            acc = _dot16(w_hi, xi_operand, acc, INTERPRETED)
-            acc = _dot16(w_mid, xi_operand, acc, INTERPRETED)
-            acc = _dot16(w_lo, xi_operand, acc, INTERPRETED)
+            # The dither: sum_t w_t (-alpha_c - beta_t) = -alpha_c sum_t w_t - sum_t w_t beta_t, per group and head.
+            v_beta = slot_dither(slot_word(seed, slots, layer, v_head_word), DITHER_BITS)
+            weight_sum = tl.sum(group_weights, axis=2)[:, :, None]
+            beta_sum = tl.sum(group_weights * v_beta[None, None, :], axis=2)[:, :, None]
+            acc = acc - (v_alpha * weight_sum + beta_sum) * v_dithered
         else:
             acc = pv_nearest(
                 acc, weights, alpha, v_codes, v_scales, BLOCK_N, num_groups, GROUP_SIZE, HEAD_DIM, INTERPRETED

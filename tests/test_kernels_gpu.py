@@ -11,6 +11,7 @@ from kernel_cases import (
     extend_oracle,
     far_token_case,
     filled_pool,
+    float32_logit_tolerance,
     non_finite_token_readers,
     oracle,
     overflowing_extend_certificates,
@@ -72,10 +73,10 @@ def test_write_and_dither_are_bit_identical_on_gpu():
         assert torch.equal(pool.codes[1, side, slots.to(CUDA)].cpu(), expected.codes)
         assert torch.equal(pool.scales[1, side, slots.to(CUDA)].cpu(), expected.scales)
         assert torch.equal(pool.outlier_values[1, side, slots.to(CUDA)].cpu(), expected.outlier_values)
-    fields = reference.dither_fields(
+    xi = reference.dither_values(
         seed=pool.seed, layer=1, slots=slots[:500], num_kv_heads=4, head_dim=128, kind="k", dither_bits=8
     )
-    assert torch.equal(pool.dither_fields(1, slots[:500].to(CUDA), "k", 3).long().cpu(), fields[:, 3])
+    assert torch.equal(pool.dither(1, slots[:500].to(CUDA), "k", 3).cpu(), xi[:, 3])
 
 
 def test_write_is_bit_identical_across_scales_on_gpu():
@@ -359,7 +360,9 @@ def test_an_overflowing_radius_gives_an_infinite_certificate_on_gpu(stage1, zero
         expected = oracle(q[row], pool, 1, row_slots, delta=DELTA, sm_scale=sm_scale)
         assert torch.isposinf(expected.certificate).all()
         assert torch.isposinf(result.certificate[row]).all(), result.certificate[row]
-        assert relative_error(result.out[row], expected.out) < 1e-5
+        # Logits of thousands: float32 rounding alone moves them by ~1e-3 (float32_logit_tolerance).
+        tolerance = float32_logit_tolerance(expected, pool.dequantize(1, row_slots, "v"))
+        assert relative_error(result.out[row], expected.out) < tolerance
 
 
 @pytest.mark.parametrize("side", ["k", "v"])

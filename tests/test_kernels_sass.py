@@ -48,10 +48,10 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
     # The loop's values fit the register cap: without the certificate nothing spills to local memory, and
     # with it at most a few values per tile (session 7: 2 with Triton 3.6, 3 with 3.9; session 6 had 14).
     assert loop.get("STL", 0) <= (4 if certificate else 0), "the token loop spills to local memory"
-    # Per warp and 128-token tile: QK 4 groups x (codes, dither) x 2 row tiles x 2 k steps = 32, PV
-    # 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48; the radius 2 products (sigma^2,
-    # bias) x 2 row tiles x 2 tf32 k steps = 8.
-    assert loop.get("HMMA", 0) == 80 + (8 if certificate else 0)
+    # Per warp and 128-token tile: QK 4 groups x 2 row tiles x 2 k steps = 16 (the dither enters the start
+    # value, not an MMA), PV 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48; the radius
+    # 2 products (sigma^2, bias) x 2 row tiles x 2 tf32 k steps = 8.
+    assert loop.get("HMMA", 0) == 64 + (8 if certificate else 0)
 
 
 def test_gluon_covers_pools_whose_32_bit_offsets_fit():

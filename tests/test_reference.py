@@ -66,53 +66,84 @@ def test_philox_rejects_values_outside_uint32():
 
 @pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
 def test_distinct_tuples_never_share_a_dither_address(dither_bits):
-    """(layer, kv_head, slot, channel, kind) -> (counter, word, field) is injective."""
+    """(layer, kv_head, channel, kind) -> the per-channel part's (counter, word, field) and (layer, kv_head, slot,
+    kind) -> the per-slot part's counter are injective, and no per-slot counter is a per-channel one."""
     slots = torch.tensor([0, 1, 7, 2**31, 2**32 - 1])
     channels = torch.arange(128)
     kv_heads = torch.tensor([0, 1, 5, 2**31 - 1])
     block, word, shift = ref.channel_address(channels, dither_bits)
-    addresses = set()
+    channel_addresses, slot_counters = set(), set()
     for kind in ("k", "v"):
         for layer in (0, 1, 27):
-            counter = ref.dither_counter(
-                slots[:, None, None], block[None, None, :], layer, kv_heads[None, :, None], kind
-            )
+            counter = ref.dither_counter(block[None, :], ref.CHANNEL_PART, layer, kv_heads[:, None], kind)
             rows = torch.cat(
                 (counter, word.expand(counter.shape[:-1])[..., None], shift.expand(counter.shape[:-1])[..., None]), -1
             )
-            addresses.update(map(tuple, rows.reshape(-1, 6).tolist()))
-    assert len(addresses) == 2 * 3 * len(slots) * len(kv_heads) * len(channels)
+            channel_addresses.update(map(tuple, rows.reshape(-1, 6).tolist()))
+            counter = ref.dither_counter(slots[:, None], ref.SLOT_PART, layer, kv_heads[None, :], kind)
+            slot_counters.update(map(tuple, counter.reshape(-1, 4).tolist()))
+    assert len(channel_addresses) == 2 * 3 * len(kv_heads) * len(channels)
+    assert len(slot_counters) == 2 * 3 * len(kv_heads) * len(slots)
+    assert not {address[:4] for address in channel_addresses} & slot_counters
+
+
+def _dither(dither_bits: int, **change) -> torch.Tensor:
+    args = dict(seed=9, layer=3, slots=torch.arange(256), num_kv_heads=2, head_dim=128, kind="k")
+    args["dither_bits"] = dither_bits
+    return ref.dither_values(**{**args, **change, "dtype": torch.float64})
 
 
 @pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
 def test_k_and_v_streams_differ(dither_bits):
-    common = dict(seed=9, layer=3, slots=torch.arange(256), num_kv_heads=2, head_dim=128, dither_bits=dither_bits)
-    k = ref.dither_fields(kind="k", **common)
-    v = ref.dither_fields(kind="v", **common)
-    # Independent streams agree on a field with probability 2**-b.
+    k, v = _dither(dither_bits), _dither(dither_bits, kind="v")
+    # Independent streams agree on a value with probability about 2**-b.
     assert (k == v).float().mean() < 2.0**-dither_bits * 4 + 1e-3
 
 
 @pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
-def test_dither_values_are_symmetric_and_uniform(dither_bits):
-    fields = ref.dither_fields(
-        seed=1, layer=0, slots=torch.arange(4096), num_kv_heads=4, head_dim=128, kind="k", dither_bits=dither_bits
+def test_dither_is_uniform_mod_one_along_every_channel_and_every_slot(dither_bits):
+    """``xi = alpha_c + beta_t`` lies in (-1, 1) and ``xi mod 1`` on ``2**b`` equally spaced points. Along the
+    channels of one slot and along the slots of one channel it is uniform (THEORY.md section 1: the K errors of
+    a token are independent across channels, the V errors of a channel across tokens)."""
+    xi = _dither(dither_bits, slots=torch.arange(4096), num_kv_heads=64)  # [4096 slots, 64 heads, 128 channels]
+    assert float(xi.min()) > -1 and float(xi.max()) < 1
+    assert float(xi.abs().max()) <= 1 - 2.0 ** -(dither_bits + 1) - 2.0 ** -(ref.slot_dither_bits(dither_bits) + 1)
+    fraction = torch.remainder(xi, 1.0)
+    if dither_bits <= 16:  # alpha and beta both half a step off the 2**-b grid: their sum is on it
+        index = fraction * 2**dither_bits
+        assert torch.equal(index, index.round())
+    for values in (fraction[5].reshape(-1), fraction[:, 3, 17]):  # one slot's 8192 channels; one channel's slots
+        counts = torch.histc(values, bins=8, min=0.0, max=1.0)
+        assert float((counts / counts.mean() - 1).abs().max()) < 0.12  # 512+ samples a bin: 5 standard errors
+    assert abs(float(fraction.mean()) - 0.5) < 2e-3
+    assert abs(float(fraction.var()) - 1.0 / 12.0) < 1e-3
+
+
+def test_dither_parts_follow_their_formulas():
+    assert float(ref.channel_dither_values(torch.tensor([0]), 8)) == 0.5 / 256 - 0.5
+    assert float(ref.slot_dither_values(torch.tensor([255]), 8)) == 255.5 / 256 - 0.5
+    assert float(ref.slot_dither_values(torch.tensor([2**16 - 1]), 24)) == (2**16 - 0.5) / 2**16 - 0.5
+    alpha = ref.channel_dither_values(
+        ref.channel_dither_fields(seed=1, layer=2, num_kv_heads=3, head_dim=64, kind="v", dither_bits=16), 16
     )
-    xi = ref.dither_values(fields, dither_bits, torch.float64)
-    assert float(xi.min()) > -0.5 and float(xi.max()) < 0.5
-    assert abs(float(xi.mean())) < 2e-3  # 2M samples: standard error 2e-4
-    assert abs(float(xi.var()) - 1.0 / 12.0) < 1e-3
-    counts = torch.histc(xi, bins=16, min=-0.5, max=0.5)
-    assert float((counts / counts.mean() - 1).abs().max()) < 0.02
-    # The extreme grid values are exactly those of the formula.
-    assert float(ref.dither_values(torch.tensor([0]), dither_bits, torch.float64)) == 0.5 / 2**dither_bits - 0.5
+    beta = ref.slot_dither_values(
+        ref.slot_dither_fields(seed=1, layer=2, slots=torch.tensor([4, 9]), num_kv_heads=3, kind="v", dither_bits=16),
+        16,
+    )
+    xi = ref.dither_values(
+        seed=1, layer=2, slots=torch.tensor([4, 9]), num_kv_heads=3, head_dim=64, kind="v", dither_bits=16,
+        dtype=torch.float64,
+    )  # fmt: skip
+    assert torch.equal(xi, alpha[None] + beta[:, :, None])
 
 
 def test_dither_depends_on_every_key_component():
-    base = dict(seed=5, layer=2, slots=torch.arange(64), num_kv_heads=2, head_dim=64, kind="k", dither_bits=16)
-    reference_fields = ref.dither_fields(**base)
-    for change in (dict(seed=6), dict(layer=3), dict(slots=torch.arange(1, 65)), dict(kind="v")):
-        assert not torch.equal(ref.dither_fields(**{**base, **change}), reference_fields), change
+    base = _dither(16)
+    for change in (dict(seed=6), dict(layer=2), dict(slots=torch.arange(1, 257)), dict(kind="v")):
+        assert not torch.equal(_dither(16, **change), base), change
+    # Every slot has its own offset, every channel its own part.
+    assert (base[1:] - base[:-1]).abs().amax(-1).min() > 0
+    assert (base[:, :, 1:] - base[:, :, :-1]).abs().amax(0).min() > 0
 
 
 # --- quantizer ---------------------------------------------------------------------------------------
