@@ -693,7 +693,8 @@ def output_error_bound(result: DecodeResult, v: QuantizedKV, *, delta: float) ->
     The first sum is at most ``TV * range_t(v_c)``, with TV bounded by the certificate and ``v_c``
     within ``r = s (1/2 + 2^-16)`` of ``v~_c``. The second is at most ``sum_t p~_t r_t`` always and, for
     a dithered V (independent of ``p~``, which depends on K's stream only), at most
-    ``c_V sqrt(sum_t p~_t^2 s_t^2 / 12) + beta sum_t p~_t s_t`` with ``c_V = sqrt(2 ln(2 D / delta))``
+    ``c_V sqrt(sum_t p~_t^2 s_t^2 / 12) + beta_V sum_t p~_t s_t`` with ``c_V = sqrt(2 ln(2 D / delta))`` and
+    ``beta_V = fp_slack(min(b, 16))``
     for all ``D`` channels of a head at once with probability ``>= 1 - delta``. The bound then holds
     whenever the certificate does and that event holds.
     """
@@ -708,7 +709,8 @@ def output_error_bound(result: DecodeResult, v: QuantizedKV, *, delta: float) ->
     if v.dithered:
         c_v = math.sqrt(2.0 * math.log(2.0 * v.head_dim / delta))
         sigma = torch.sqrt(torch.einsum("hs,shd->hd", result.probs.square(), scales.square()) / 12.0)
-        bias = torch.einsum("hs,shd->hd", result.probs, scales) * fp_slack(v.dither_bits)
+        # Across slots one channel's dither varies by its per-slot part only: min(b, 16) bits (section 1).
+        bias = torch.einsum("hs,shd->hd", result.probs, scales) * fp_slack(slot_dither_bits(v.dither_bits))
         dither_error = torch.minimum(dither_error, c_v * sigma + bias)
     return (attention_shift + dither_error) * CERTIFICATE_EVAL_SLACK
 

@@ -112,6 +112,10 @@ def test_dither_is_uniform_mod_one_along_every_channel_and_every_slot(dither_bit
     if dither_bits <= 16:  # alpha and beta both half a step off the 2**-b grid: their sum is on it
         index = fraction * 2**dither_bits
         assert torch.equal(index, index.round())
+    # Along the slots one channel moves on the per-slot grid of 2**-min(b, 16) only (hence beta_V in
+    # output_error_bound); up to float32's rounding of alpha + beta at 24 bits.
+    along_slots = torch.remainder(xi[:, 3, 17] - xi[0, 3, 17], 1.0) * 2 ** ref.slot_dither_bits(dither_bits)
+    assert float((along_slots - along_slots.round()).abs().max()) < 2.0**-7
     for values in (fraction[5].reshape(-1), fraction[:, 3, 17]):  # one slot's 8192 channels; one channel's slots
         counts = torch.histc(values, bins=8, min=0.0, max=1.0)
         assert float((counts / counts.mean() - 1).abs().max()) < 0.12  # 512+ samples a bin: 5 standard errors
