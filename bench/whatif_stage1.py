@@ -5,24 +5,15 @@ the real kernel in one run with ``bench/bench_kernels.py --baseline-stage1 FILE`
 All but ``qshared`` compute something other than what THEORY.md and the contract tests ask (dithers,
 certificates or outputs that differ from the reference), so they never run outside a benchmark:
 
-* ``philox7``: Philox4x32 with 7 rounds instead of 10 for the per-slot dither (a cheaper stream from the
-  same family);
-* ``nophilox``: no Philox at all, each slot's dither word one multiply and xor of the counters (no
-  statistical value: the floor of what any cheaper dither stream could buy; with the split dither, one
-  call per token, it buys little);
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
-* ``both``: ``philox7`` and ``blockradius``;
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
   ``fp16(s * code)`` against ``fp16(2**14 p)`` in one MMA per channel half, without the exact ``v_hi + v_lo``
   and ``p_hi + p_mid`` splits (three MMAs). The certificate is unchanged; the output rounds as half-precision
   attention does;
-* ``all``: ``philox7``, ``blockradius`` and ``halfpv`` together, the cheapest kernel these contract changes
-  allow;
-* ``floor``: ``nophilox``, ``blockradius`` and ``halfpv`` together: no dither stream, the loosest radius and a
-  half-precision output, the floor of what any contract could buy in this kernel's structure (its column
-  without the certificate is close to a plain int8 cache with group scales: it still builds the dither
-  operand and runs its MMAs, from trivial words);
+* ``all``: ``blockradius`` and ``halfpv`` together, the cheapest kernel these contract changes allow. (Until
+  session 14 there were ``philox7``, ``nophilox``, ``both`` and ``floor`` too, cheaper or no streams for K's
+  per-slot dither; K has no per-slot dither since, so they have nothing left to change.)
 * ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
   read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
   certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
@@ -38,16 +29,6 @@ import argparse
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "gluon_decode.py"
-
-_PHILOX7 = [
-    ("    for round_index in range(10):", "    for round_index in range(7):"),
-    ("        if round_index < 9:", "        if round_index < 6:"),
-]
-
-_NOPHILOX_START = "    for round_index in range(10):"
-_NOPHILOX_END = "    # 1.5 - 1/512 = 0x3FBFC000 as a float32."
-_NOPHILOX_BODY = """    lines += ["mul.lo.u32 c0, c0, 0xD2511F53;", "xor.b32 c0, c0, k0;"]
-"""
 
 _BLOCKRADIUS = [
     (
@@ -128,27 +109,19 @@ def _replace(text: str, old: str, new: str) -> str:
 
 def variant(name: str, text: str) -> str:
     """``text`` (the Gluon stage 1's source) with the what-if ``name`` applied."""
-    if name in ("philox7", "both", "all"):
-        for old, new in _PHILOX7:
-            text = _replace(text, old, new)
-    if name in ("nophilox", "floor"):
-        start, end = text.find(_NOPHILOX_START), text.find(_NOPHILOX_END)
-        if start < 0 or end < start:
-            raise SystemExit("whatif_stage1: kernels/gluon_decode.py changed; the Philox rounds are not where expected")
-        text = text[:start] + _NOPHILOX_BODY + text[end:]
-    if name in ("blockradius", "both", "all", "floor"):
+    if name in ("blockradius", "all"):
         for old, new in _BLOCKRADIUS:
             text = _replace(text, old, new)
     if name == "qshared":
         for old, new in _QSHARED:
             text = _replace(text, old, new)
-    if name in ("halfpv", "all", "floor"):
+    if name in ("halfpv", "all"):
         for old, new in _HALFPV:
             text = _replace(text, old, new)
     return text
 
 
-VARIANTS = ("philox7", "nophilox", "blockradius", "both", "qshared", "halfpv", "all", "floor")
+VARIANTS = ("blockradius", "qshared", "halfpv", "all")
 
 
 def main() -> None:

@@ -8,11 +8,9 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   so eight query heads fill the ``n8`` side exactly. Each thread loads 8 contiguous code bytes per
   (token, channel group) and the channel order inside a group is relabelled (a permutation applied to
   K and q alike, which a dot product ignores) so that those bytes are its fragment's ``k`` slots.
-* **Dither.** ``xi = alpha_c + beta_t`` (docs/THEORY.md, section 1) costs no per-element work: the
-  per-channel part enters once per split as ``sum_c q_c alpha_c`` per (head, group), and the per-slot
-  part as ``beta_t sum_c q_c``, one multiply-add per logit and group, both in the QK MMAs' start value.
-  ``beta_t`` is one Philox call per token: each lane of a quad computes one of the quad's four tokens and
-  the quad exchanges them.
+* **Dither.** K's ``xi = alpha_c`` (docs/THEORY.md, section 1) costs no per-token work: it enters once per
+  split as ``sum_c q_c alpha_c`` per (head, group), the QK MMAs' start value. (Until session 14 K also had a
+  per-slot part, one Philox call per token.)
 * **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T`` in halves of 16 tokens and
   64 channels: a thread loads 8 contiguous V bytes per token, one asm block interleaves tokens t and
   t + 1 by ``prmt`` into ``f16x2`` registers and scales them into the exact ``v_hi + v_lo``, and the
@@ -28,8 +26,8 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   by ``cp.async`` while tile i is computed; the membar analysis adds four CTA barriers per tile.
 
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
-and start from ``sum(q_g alpha_g) + beta_t sum(q_g)``, so that they compute the negated logit part ``-q_g .
-(code_g - xi_g)`` up to float32 sums (``_neg_codes``); the softmax scale is negated to match, and the loop keeps
+and start from ``sum(q_g alpha_g)``, so that they compute the negated logit part ``-q_g . (code_g - alpha_g)`` up
+to float32 sums (``_neg_codes``); the softmax scale is negated to match, and the loop keeps
 logits in base-2 units (one ``ex2`` per weight). The output uses the exact ``v_hi +
 v_lo`` split of ``s * code`` with ``2**14 p`` split into ``p_hi + p_mid``. The outputs are the stage-1
 partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and bf16 queries (bf16 scaled per
@@ -69,45 +67,6 @@ _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
 
-def _slot_dither_asm() -> str:
-    """PTX for a quad's four per-slot dithers (``_slot_dither``), ``pack=4``: inputs ``$4..$7`` the slots of the
-    thread's four token rows, which the quad's four lanes share; then one register each (``pack=4`` copies) of
-    the layer, KV head word and key. Lane ``b`` of a quad runs the Philox4x32-10 call of its row ``b`` (counter
-    ``(slot, 0, layer, head)``, word 0 only: the last round computes what word 0 needs), turns the top byte
-    ``m`` into ``beta = (1 + m / 256) - (3/2 - 1/512)`` by bits, and output ``$r`` is lane ``r``'s beta."""
-    lines = [".reg .pred is1, is2, is3;", ".reg .b64 p0, p2;"]
-    lines += [".reg .b32 lane, quad, lo0, hi0, lo2, hi2, k0, k1, c0, c1, c2, c3, beta;"]
-    lines += ["mov.u32 lane, %laneid;", "and.b32 quad, lane, 3;", "setp.eq.u32 is1, quad, 1;"]
-    lines += ["setp.eq.u32 is2, quad, 2;", "setp.eq.u32 is3, quad, 3;", "selp.b32 c0, $5, $4, is1;"]
-    lines += ["selp.b32 c0, $6, c0, is2;", "selp.b32 c0, $7, c0, is3;", "mov.b32 c1, 0;", "mov.b32 c2, $8;"]
-    lines += ["mov.b32 c3, $12;", "mov.b32 k0, $16;", "mov.b32 k1, $20;"]
-    for round_index in range(10):
-        if round_index < 9:
-            lines += [
-                "mul.wide.u32 p0, c0, 0xD2511F53;",
-                "mul.wide.u32 p2, c2, 0xCD9E8D57;",
-                "mov.b64 {lo0, hi0}, p0;",
-                "mov.b64 {lo2, hi2}, p2;",
-                "xor.b32 c0, hi2, c1;",
-                "xor.b32 c0, c0, k0;",
-                "xor.b32 c2, hi0, c3;",
-                "xor.b32 c2, c2, k1;",
-                "mov.b32 c1, lo2;",
-                "mov.b32 c3, lo0;",
-                "add.u32 k0, k0, 0x9E3779B9;",
-                "add.u32 k1, k1, 0xBB67AE85;",
-            ]
-        else:
-            lines += ["mul.hi.u32 hi2, c2, 0xCD9E8D57;", "xor.b32 c0, hi2, c1;", "xor.b32 c0, c0, k0;"]
-    # 1.5 - 1/512 = 0x3FBFC000 as a float32.
-    lines += ["shr.b32 c0, c0, 9;", "and.b32 c0, c0, 0x7F8000;", "or.b32 c0, c0, 0x3F800000;"]
-    lines += ["sub.f32 beta, c0, 0f3FBFC000;", "and.b32 lane, lane, 0x1c;"]
-    for r in range(4):
-        lines += [f"shfl.sync.idx.b32 ${r}, beta, lane, 0x1f, -1;"] + (["add.u32 lane, lane, 1;"] if r < 3 else [])
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_SLOT_DITHER_ASM = gl.constexpr(_slot_dither_asm())
 _P_SCALE = gl.constexpr(16384.0)
 
 # mma.sync m16n8k16, batched over the warps: [warp, rows, cols], each warp its own batch entry.
@@ -273,9 +232,8 @@ def _q_scale(q_ptrs, q_mask):
 @gluon.jit
 def _q_group(q_ptrs, q_mask, g: gl.constexpr, q_scale):
     """Group ``g`` of q^T: the relabelled fp16 MMA operand ``q_scale q_g`` (a bf16 query, ``_q_scale``; an
-    fp16 one as is, ``q_scale`` unused), ``sum`` of that operand, and ``|q_g|_2^2``, ``|q_g|_1`` of the
-    query itself, per ``[warp, head]``, and the operand in float32 ``[warp, channel, head]`` (laid out as
-    loaded, channels not relabelled)."""
+    fp16 one as is, ``q_scale`` unused), ``|q_g|_2^2`` and ``|q_g|_1`` of the query itself, per ``[warp, head]``,
+    and the operand in float32 ``[warp, channel, head]`` (laid out as loaded, channels not relabelled)."""
     q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0)
     q32 = q_g.to(gl.float32)
     if q_g.dtype == gl.bfloat16:
@@ -285,7 +243,6 @@ def _q_group(q_ptrs, q_mask, g: gl.constexpr, q_scale):
     operand32 = operand.to(gl.float32)
     return (
         gl.convert_layout(_relabel_group(operand, 1), _OP_B),
-        gl.sum(operand32, axis=1),
         gl.sum(q32 * q32, axis=1),
         gl.sum(gl.abs(q32), axis=1),
         operand32,
@@ -313,7 +270,7 @@ def _radius_operands(groups, sigma_coef, bias_coef):
     sigma = gl.zeros([4, 16, 8], gl.float32, layout)
     bias = gl.zeros([4, 16, 8], gl.float32, layout)
     for g in gl.static_range(4):
-        a = (groups[g][2] * sigma_coef)[:, None, :]
+        a = (groups[g][1] * sigma_coef)[:, None, :]
         # sm^2 |q_g|^2 / 12 can overflow float32 (bf16 queries near 2**62 and beyond): the reference's radius is
         # then +inf for every token. The sigma operand would make it NaN (inf - inf, and 0 * inf against an exact
         # s_g^2), so that head's infinity goes in through the bias, which meets s_g > 0 alone: +inf, at no cost in
@@ -321,7 +278,7 @@ def _radius_operands(groups, sigma_coef, bias_coef):
         overflow = a == _FP32_INF
         a = gl.where(overflow, 0.0, a)
         a_hi = _tf32_hi(a)
-        b = (groups[g][3] * bias_coef)[:, None, :]
+        b = (groups[g][2] * bias_coef)[:, None, :]
         b_hi = _tf32_hi(b)
         b_up = gl.where(b_hi < b, (b_hi.to(gl.uint32, bitcast=True) + 0x2000).to(gl.float32, bitcast=True), b_hi)
         b_up = gl.where(overflow, _FP32_INF, b_up)
@@ -349,17 +306,6 @@ def _radius(tile_scales, radius_ops, tail):
     sigma_sq = mma_v2(scales, radius_ops[0].load(_RADIUS_B), zero, input_precision="tf32")
     bias = mma_v2(scales, radius_ops[1].load(_RADIUS_B), zero, input_precision="tf32")
     return tail * gl.sqrt(sigma_sq) + bias
-
-
-@gluon.jit
-def _slot_dither(seed_lo, seed_hi, slots, layer, head_word):
-    """The per-slot dither part ``beta_t`` (``reference.slot_dither_fields``) of each token row, laid out as
-    ``slots`` (the logits' rows, ``_TOKEN_ROW``): one Philox call per token, each lane of a quad computing one of
-    the quad's four rows and the quad exchanging them by shuffles (``_slot_dither_asm``)."""
-    return gl.inline_asm_elementwise(
-        _SLOT_DITHER_ASM, "=r," * 4 + "r," * 19 + "r", [slots, layer, head_word, seed_lo, seed_hi], dtype=gl.float32,
-        is_pure=True, pack=4,
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -571,16 +517,14 @@ def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
 
 
 @gluon.jit
-def _qk_group(logits, k_tiles, scale, slot_dither, q_ops, q_dither, g: gl.constexpr):
+def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr):
     """Channel group ``g`` of the tile: one MMA of ``-code`` with q, started from the dither's share
-    ``sum(q_g alpha_g) + beta_t sum(q_g)`` (``q_dither``: those two sums per head; ``slot_dither``: ``beta_t``
-    per token), so that it computes ``-q_g . (code_g - xi_g)``; scaled by ``scale`` into the negated logits
-    (the softmax scale undoes the sign)."""
+    ``sum(q_g alpha_g)`` (``q_alpha_sums``, per head), so that it computes ``-q_g . (code_g - alpha_g)``; scaled
+    by ``scale`` into the negated logits (the softmax scale undoes the sign)."""
     codes = k_tiles[g].load(_K_GROUP)
     code_op = gl.convert_layout(_relabel_group(_neg_codes(codes), 2), _OP_A)
-    q_alpha = q_dither.index(2 * g).load(_HEAD_ROW)
-    q_sum = q_dither.index(2 * g + 1).load(_HEAD_ROW)
-    start = q_alpha[:, None, :] + slot_dither[:, :, None] * q_sum[:, None, :]
+    q_alpha = q_alpha_sums.index(g).load(_HEAD_ROW)
+    start = q_alpha[:, None, :].broadcast_to(4, 32, 8)
     part = mma_v2(code_op, q_ops[g], start)
     return logits + part * scale[:, :, None]
 
@@ -657,9 +601,6 @@ def _decode_stage1_gluon(
     sm_scale,
     log_two_over_delta,
     beta,
-    seed_lo,
-    seed_hi,
-    layer,
     NUM_KV_HEADS: gl.constexpr,
     KV_GROUP: gl.constexpr,
     CERTIFICATE: gl.constexpr,
@@ -698,16 +639,15 @@ def _decode_stage1_gluon(
     g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
     g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
     q_ops = (g0[0], g1[0], g2[0], g3[0])
-    # The dither's per-channel share of each group, sum(q_g alpha_g), and sum(q_g) (what beta_t multiplies), both
-    # of the MMA operand (_qk_group), and the radius operands wait in shared memory, read once per tile: kept in
-    # registers through the loop they would cost more than the spills they save.
-    q_dither = gl.allocate_shared_memory(gl.float32, [8, 4, 8], _NORMS_SHARED)
+    # The dither's share of each group, sum(q_g alpha_g) over the MMA operand (_qk_group), and the radius operands
+    # wait in shared memory, read once per tile: kept in registers through the loop they would cost more than
+    # the spills they save.
+    q_alpha_sums = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
     alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
     for g in gl.static_range(4):
         alpha_g = gl.load(alpha_ptrs + g * GROUP_SIZE)[None, :, None]
-        operand = (g0, g1, g2, g3)[g][4]
-        q_dither.index(2 * g).store(gl.sum(operand * alpha_g, axis=1))
-        q_dither.index(2 * g + 1).store((g0, g1, g2, g3)[g][1])
+        operand = (g0, g1, g2, g3)[g][3]
+        q_alpha_sums.index(g).store(gl.sum(operand * alpha_g, axis=1))
     radius_ops = (
         gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
         gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
@@ -746,11 +686,6 @@ def _decode_stage1_gluon(
     g_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
 
-    # to_tensor: Triton passes an integer argument equal to 1 as a constant.
-    key_lo = gl.to_tensor(seed_lo).to(gl.uint32)
-    key_hi = gl.to_tensor(seed_hi).to(gl.uint32)
-    layer_word = gl.to_tensor(layer).to(gl.uint32)
-    head_word = kv_head.to(gl.uint32)
     max_slot = (num_slots - 1).to(gl.uint32)
 
     # Codes in shared memory, one tile ahead: tile i + 1's K is copied while tile i's softmax, PV and
@@ -822,15 +757,13 @@ def _decode_stage1_gluon(
         if HAS_SKIP:
             base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head  # Skip has one byte per row: 32 bits suffice
             token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
-        # The per-slot dither part, beta_t, one Philox call per token.
-        slot_dither = _slot_dither(key_lo, key_hi, safe_slots, layer_word, head_word)
 
         async_copy.wait_group(1)  # this tile's K
         tile_scales = k_scales.index(stage)
         group_scales = _k_group_scales(tile_scales)
         logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
         for g in gl.static_range(4):
-            logits = _qk_group(logits, k_tiles, group_scales[g], slot_dither, q_ops, q_dither, g)
+            logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g)
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()

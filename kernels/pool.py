@@ -273,6 +273,7 @@ class KVPool:
                 kv_head | (SIDES.index(kind) << 31),
                 HEAD_DIM=self.head_dim,
                 DITHER_BITS=self.dither_bits,
+                SLOT_PART=reference.has_slot_part(kind),
                 BLOCK_T=_WRITE_BLOCK_TOKENS,
             )
         return xi

@@ -155,6 +155,15 @@ def channel_dither_fields(
     return (words[:, block, word] >> shift) & ((1 << dither_bits) - 1)
 
 
+def has_slot_part(kind: Kind) -> bool:
+    """Whether ``kind``'s dither has the per-slot part ``beta_t``: V's does, K's is ``alpha_c`` alone
+    (docs/THEORY.md, section 1). A logit's error sums over the channels of one token, whose ``alpha_c`` are
+    independent uniform draws on their own; V's error sums over the slots of one channel, which need ``beta_t``."""
+    if kind not in KIND_BIT:
+        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+    return kind == "v"
+
+
 def slot_dither_bits(dither_bits: int) -> int:
     """Bits of the per-slot part: ``min(b, 16)``. Any ``beta`` on a grid of ``2**-b`` keeps ``alpha + beta mod 1``
     uniform on ``2**b`` equally spaced points; at 24 bits a finer ``beta`` would let ``fl(x / s + xi)`` reach
@@ -167,7 +176,9 @@ def slot_dither_fields(
     *, seed: int, layer: int, slots: torch.Tensor, num_kv_heads: int, kind: Kind, dither_bits: int
 ) -> torch.Tensor:
     """The per-slot fields ``m`` in ``[0, 2**min(b, 16))`` of every (slot, kv head): int64 ``[N, H_kv]``, the
-    top bits of word 0 of the slot's call."""
+    top bits of word 0 of the slot's call. V only (``has_slot_part``)."""
+    if not has_slot_part(kind):
+        raise ValueError(f"the {kind!r} side's dither has no per-slot part")
     bits = slot_dither_bits(dither_bits)
     slots = slots.to(torch.int64)
     heads = torch.arange(num_kv_heads, device=slots.device, dtype=torch.int64)
@@ -199,11 +210,12 @@ def dither_values(
     dither_bits: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``xi = alpha_c + beta_t`` for every (slot, kv head, channel): ``[N, H_kv, D]`` in ``(-1, 1)``, the sum
-    rounded once into ``dtype`` (exact in float32 for ``b <= 16``).
+    """``xi = alpha_c + beta_t`` (V) or ``alpha_c`` (K, ``has_slot_part``) for every (slot, kv head, channel):
+    ``[N, H_kv, D]`` in ``(-1, 1)``, the sum rounded once into ``dtype`` (exact in float32 for ``b <= 16``, and
+    ``alpha`` alone at every ``b``).
 
     Over the per-channel part, a slot's ``xi mod 1`` are independent and uniform on the ``2**b`` points
-    ``(i + 1/2) / 2**b`` whatever its ``beta``; over the per-slot part, so are one channel's across slots
+    ``(i + 1/2) / 2**b`` whatever its ``beta``; over V's per-slot part, so are one channel's across slots
     whatever ``alpha`` (docs/THEORY.md, section 1).
     """
     alpha = channel_dither_values(
@@ -218,6 +230,8 @@ def dither_values(
         ),
         dither_bits,
     )
+    if not has_slot_part(kind):
+        return alpha[None, :, :].expand(slots.shape[0], -1, -1).to(dtype)
     beta = slot_dither_values(
         slot_dither_fields(
             seed=seed, layer=layer, slots=slots, num_kv_heads=num_kv_heads, kind=kind, dither_bits=dither_bits

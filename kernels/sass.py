@@ -70,8 +70,7 @@ def compile_cubin(
         options = {"num_warps": LAUNCH.num_warps, "num_stages": LAUNCH.num_stages}
         if LAUNCH.maxnreg:
             options["maxnreg"] = LAUNCH.maxnreg
-    scalars = dict(_SCALARS, seed_lo="i32", seed_hi="i32")
-    return _sm90_cubin(kernel, source_type, dict(_POINTERS, Q=q_dtype), scalars, constants, options)
+    return _sm90_cubin(kernel, source_type, dict(_POINTERS, Q=q_dtype), _SCALARS, constants, options)
 
 
 def _sm90_cubin(
@@ -102,7 +101,7 @@ def _compile_extend(q_dtype: str, certificate: bool) -> bytes:
     )  # fmt: skip
     scalars = dict(
         num_sequences="i32", num_slots="i32", num_kv_indices="i32", stride_qt="i32", stride_qh="i32",
-        sm_scale="fp32", log_two_over_delta="fp32", beta="fp32", seed="i64", layer="i32",
+        sm_scale="fp32", log_two_over_delta="fp32", beta="fp32",
     )  # fmt: skip
     block_h = _SHAPE["BLOCK_H"]
     constants = dict(

@@ -24,12 +24,10 @@ from witcert.kernels.triton_kernels import (
     _P_SCALE,
     add_radius_terms,
     certificate_tile,
-    channel_dither_terms,
+    channel_dither_term,
     pv_nearest,
     qk_group,
     radius_from_terms,
-    slot_dither,
-    slot_word,
     softmax_tile,
     store_certificate_partials,
     tile_slots,
@@ -65,8 +63,6 @@ def _extend_stage1(
     sm_scale,
     log_two_over_delta,
     beta,
-    seed,
-    layer,
     NUM_KV_HEADS: tl.constexpr,
     KV_GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -127,7 +123,6 @@ def _extend_stage1(
     u_max = tl.zeros((ROWS,), tl.float32)
     g_max = tl.zeros((ROWS,), tl.float32)
     slots_ok = sequence_ok
-    head_word = kv_head.to(tl.uint32)
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         slots, token_ok, in_range = tile_slots(KvIndices, kv_start, offs, hi, num_slots, OFFSETS_64)
@@ -137,14 +132,12 @@ def _extend_stage1(
         sigma_sq = tl.zeros((ROWS, BLOCK_N), tl.float32)
         bias = tl.zeros((ROWS, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
-        slot_beta = slot_dither(slot_word(seed, slots, layer, head_word), 8)
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
             codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
             alpha_g = tl.load(KAlpha + kv_head * HEAD_DIM + group_channels)
             q_g = tl.load(q_rows + group_channels[None, :], mask=row_ok[:, None], other=0.0)
-            q_alpha, q_sum = channel_dither_terms(q_g, alpha_g)
-            part = qk_group(q_g, codes_g, q_alpha, q_sum, slot_beta, ROWS, BLOCK_N, INTERPRETED)
+            part = qk_group(q_g, codes_g, channel_dither_term(q_g, alpha_g), ROWS, BLOCK_N, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
             if CERTIFICATE:

@@ -99,7 +99,9 @@ def _gather_side(
     value = codes.to(tl.float32)
     if DITHER:
         head_word = tl.arange(0, HEADS_PAD).to(tl.uint32)[:, None] | tl.full((), KIND_BIT << 31, tl.uint32)
-        value = value - dither_rows(seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS)
+        value = value - dither_rows(
+            seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS, KIND_BIT == 1
+        )
     x_hat = _by_channel(scales.to(tl.float32), rows, num_groups, GROUP_SIZE) * value
     if HAS_OUTLIERS:
         outlier = tl.load(OutlierIndex + head[:, None] * HEAD_DIM + channels[None, :])

@@ -119,6 +119,7 @@ def _dither_values_kernel(
     head_word,
     HEAD_DIM: tl.constexpr,
     DITHER_BITS: tl.constexpr,
+    SLOT_PART: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """Store the dither ``xi`` ``[N, HEAD_DIM]`` the write and gather kernels use for one head
@@ -128,7 +129,7 @@ def _dither_values_kernel(
     slots = tl.load(Slots + tokens, mask=token_ok, other=0)
     # Through int32 zeros: Triton passes a head word of 0 or 1 as a constexpr, one past 2**31 as uint32.
     head_words = (tl.zeros((1, 1), tl.int32) + head_word).to(tl.uint32)
-    xi = dither_rows(seed, slots, layer, head_words, BLOCK_T, 1, HEAD_DIM, DITHER_BITS)
+    xi = dither_rows(seed, slots, layer, head_words, BLOCK_T, 1, HEAD_DIM, DITHER_BITS, SLOT_PART)
     channels = tl.arange(0, HEAD_DIM)
     tl.store(Xi + tokens[:, None] * HEAD_DIM + channels[None, :], xi, mask=token_ok[:, None])
 
@@ -326,31 +327,37 @@ def token_head_rows(Slots, num_tokens, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl
 @triton.jit
 def dither_rows(
     seed, slots, layer, head_word, ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DITHER_BITS: tl.constexpr,
+    DITHER_BITS: tl.constexpr, SLOT_PART: tl.constexpr,
 ):  # fmt: skip
-    """``xi = alpha + beta`` ``[ROWS, HEAD_DIM]`` (float32) of rows ``(slot, head)``, bit-identical to
-    ``reference.dither_values``: what the write kernel adds and the gather kernel subtracts.
+    """``xi = alpha + beta`` (``SLOT_PART``, V) or ``alpha`` (K) ``[ROWS, HEAD_DIM]`` (float32) of rows ``(slot,
+    head)``, bit-identical to ``reference.dither_values``: what the write kernel adds and the gather kernel
+    subtracts.
 
     Rows come head fastest in runs of ``HEADS`` (``token_head_rows``), and ``head_word`` ``[HEADS, 1]`` is each
     head's ``kv_head | kind << 31``: the per-channel part is computed once per head and repeated over the
     tokens. The sum is exact for 8 and 16 bits; at 24 bits ``alpha + beta`` is
     the odd integer ``2j + 1 + 2**8 (2m + 1) - 2**25`` (below 2**25 in magnitude) over ``2**25``, converted once:
-    the nearest float32, as the reference rounds the exact sum.
+    the nearest float32, as the reference rounds the exact sum (``alpha`` alone, ``2j + 1 - 2**24``, is exact).
     """
     per_call: tl.constexpr = 4 * (32 // DITHER_BITS)
     ncalls: tl.constexpr = HEAD_DIM // per_call
     tokens: tl.constexpr = ROWS // HEADS
-    row_heads = tl.reshape(tl.broadcast_to(tl.reshape(head_word, (1, HEADS)), (tokens, HEADS)), (ROWS,))
-    word = slot_word(seed, slots, layer, row_heads)
+    if SLOT_PART:
+        row_heads = tl.reshape(tl.broadcast_to(tl.reshape(head_word, (1, HEADS)), (tokens, HEADS)), (ROWS,))
+        word = slot_word(seed, slots, layer, row_heads)
     if DITHER_BITS == 24:
         j = (_channel_words(seed, 0, layer, head_word, HEADS, ncalls) >> 8).to(tl.int32)
-        m = (word >> 16).to(tl.int32)
         j_rows = tl.reshape(tl.broadcast_to(j[None, :, :], (tokens, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
-        xi = (2 * j_rows + (1 + 256 - (1 << 25)) + (m << 9)[:, None]).to(tl.float32) * (1.0 / (1 << 25))
+        if SLOT_PART:
+            m = (word >> 16).to(tl.int32)
+            xi = (2 * j_rows + (1 + 256 - (1 << 25)) + (m << 9)[:, None]).to(tl.float32) * (1.0 / (1 << 25))
+        else:
+            xi = (2 * j_rows + (1 - (1 << 24))).to(tl.float32) * (1.0 / (1 << 25))
     else:
         alpha = channel_dither(seed, 0, layer, head_word, HEADS, ncalls, DITHER_BITS)
-        alpha_rows = tl.reshape(tl.broadcast_to(alpha[None, :, :], (tokens, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
-        xi = alpha_rows + slot_dither(word, DITHER_BITS)[:, None]
+        xi = tl.reshape(tl.broadcast_to(alpha[None, :, :], (tokens, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
+        if SLOT_PART:
+            xi = xi + slot_dither(word, DITHER_BITS)[:, None]
     return xi
 
 
@@ -442,7 +449,9 @@ def _write_kernel(
     scaled = tl.fma(remainder, channel_reciprocal, first)
     if DITHER:
         head_word = tl.arange(0, HEADS_PAD).to(tl.uint32)[:, None] | tl.full((), KIND_BIT << 31, tl.uint32)
-        scaled = scaled + dither_rows(seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS)
+        scaled = scaled + dither_rows(
+            seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS, KIND_BIT == 1
+        )
     # |scaled| < 127: the rounded sum is 1.5 * 2**23 + code, whose bits are 0x4B400000 + code, so their low
     # byte is the int8 code (two's complement): no subtraction, no float -> int conversion.
     codes = (scaled + _ROUND_MAGIC).to(tl.int32, bitcast=True)
@@ -560,23 +569,22 @@ def tile_slots(KvIndices, kv_start, offs, hi, num_slots, OFFSETS_64: tl.constexp
 
 
 @triton.jit
-def channel_dither_terms(q_g, alpha_g):
-    """The per-channel dither's share of one group's logits, per query row: ``(sum_c q_c alpha_c, sum_c q_c)``
-    in float32 (fp16/bf16 times ``alpha`` is exact in float32; the sums round as the reference's do)."""
-    q32 = q_g.to(tl.float32)
-    return tl.sum(q32 * alpha_g[None, :], axis=1), tl.sum(q32, axis=1)
+def channel_dither_term(q_g, alpha_g):
+    """K's dither share of one group's logits, per query row: ``sum_c q_c alpha_c`` in float32 (fp16/bf16 times
+    ``alpha`` is exact in float32; the sum rounds as the reference's does)."""
+    return tl.sum(q_g.to(tl.float32) * alpha_g[None, :], axis=1)
 
 
 @triton.jit
-def qk_group(q_g, codes_g, q_alpha, q_sum, slot_beta, ROWS: tl.constexpr, N: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``q_g . (code_g - xi_g)`` for ``ROWS`` query rows and ``N`` tokens: ``q_g . code_g`` as one dot on exact
-    operands (fp32 accumulation), minus the dither's share ``sum(q_g alpha_g) + beta_t sum(q_g)``: with ``xi =
-    alpha_c + beta_t`` the dither costs one multiply-add per logit, not a dot. The group scale is the caller's."""
+def qk_group(q_g, codes_g, q_alpha, ROWS: tl.constexpr, N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``q_g . (code_g - alpha_g)`` for ``ROWS`` query rows and ``N`` tokens: ``q_g . code_g`` as one dot on exact
+    operands (fp32 accumulation), minus the dither's share ``sum(q_g alpha_g)`` (K's dither is ``alpha_c`` alone,
+    so that share is one number per row). The group scale is the caller's."""
     q_dtype: tl.constexpr = q_g.dtype
     part = _dot16(
         q_g, tl.trans(_code_operand(codes_g, q_dtype, INTERPRETED)), tl.zeros((ROWS, N), tl.float32), INTERPRETED
     )
-    return part - (q_alpha[:, None] + q_sum[:, None] * slot_beta[None, :])
+    return part - q_alpha[:, None]
 
 
 @triton.jit
@@ -702,9 +710,8 @@ def _decode_stage1(
     if HAS_OUTLIERS:
         acc_outliers = tl.zeros((BLOCK_H, OUTLIERS_PAD), tl.float32)
 
-    # Counter word 3 is kv_head | kind << 31; built in uint32 (1 << 31 does not fit int32).
-    head_word = kv_head.to(tl.uint32)
-    v_head_word = head_word | tl.full((), 1 << 31, tl.uint32)
+    # V's per-slot dither: counter word 3 is kv_head | kind << 31, built in uint32 (1 << 31 does not fit int32).
+    v_head_word = kv_head.to(tl.uint32) | tl.full((), 1 << 31, tl.uint32)
     if V_DITHER:
         v_alpha = tl.reshape(tl.load(VAlpha + kv_head * HEAD_DIM + channels), (num_groups, 1, GROUP_SIZE))
         # Exact channels carry no dither: neither part of xi applies to them.
@@ -725,8 +732,6 @@ def _decode_stage1(
         sigma_sq = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         bias = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
-        # The decode kernels run 8-bit dithers only (attention.py sends wider ones to the reference).
-        slot_beta = slot_dither(slot_word(seed, slots, layer, head_word), DITHER_BITS)
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
             codes_g = tl.load(KCodes + base[:, None] * HEAD_DIM + group_channels[None, :])
@@ -739,10 +744,10 @@ def _decode_stage1(
             if HAS_OUTLIERS:
                 # Exact channels carry no dither (their codes are 0).
                 exact_g = tl.load(OutlierIndex + kv_head * HEAD_DIM + group_channels) >= 0
-                q_alpha, q_sum = channel_dither_terms(tl.where(exact_g[None, :], 0.0, q_g), alpha_g)
+                q_alpha = channel_dither_term(tl.where(exact_g[None, :], 0.0, q_g), alpha_g)
             else:
-                q_alpha, q_sum = channel_dither_terms(q_g, alpha_g)
-            part = qk_group(q_g, codes_g, q_alpha, q_sum, slot_beta, BLOCK_H, BLOCK_N, INTERPRETED)
+                q_alpha = channel_dither_term(q_g, alpha_g)
+            part = qk_group(q_g, codes_g, q_alpha, BLOCK_H, BLOCK_N, INTERPRETED)
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
             if CERTIFICATE:

@@ -100,12 +100,17 @@ def test_k_and_v_streams_differ(dither_bits):
     assert (k == v).float().mean() < 2.0**-dither_bits * 4 + 1e-3
 
 
+def _uniform_on_eight_bins(values: torch.Tensor) -> None:
+    counts = torch.histc(values, bins=8, min=0.0, max=1.0)
+    assert float((counts / counts.mean() - 1).abs().max()) < 0.12  # 512+ samples a bin: 5 standard errors
+
+
 @pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
-def test_dither_is_uniform_mod_one_along_every_channel_and_every_slot(dither_bits):
-    """``xi = alpha_c + beta_t`` lies in (-1, 1) and ``xi mod 1`` on ``2**b`` equally spaced points. Along the
-    channels of one slot and along the slots of one channel it is uniform (THEORY.md section 1: the K errors of
-    a token are independent across channels, the V errors of a channel across tokens)."""
-    xi = _dither(dither_bits, slots=torch.arange(4096), num_kv_heads=64)  # [4096 slots, 64 heads, 128 channels]
+def test_v_dither_is_uniform_mod_one_along_every_channel_and_every_slot(dither_bits):
+    """V's ``xi = alpha_c + beta_t`` lies in (-1, 1) and ``xi mod 1`` on ``2**b`` equally spaced points. Along the
+    channels of one slot and along the slots of one channel it is uniform (THEORY.md section 1: the V errors of
+    a channel are independent across tokens, what the output bound of section 5 sums over)."""
+    xi = _dither(dither_bits, slots=torch.arange(4096), num_kv_heads=64, kind="v")  # [4096 slots, 64 heads, 128]
     assert float(xi.min()) > -1 and float(xi.max()) < 1
     assert float(xi.abs().max()) <= 1 - 2.0 ** -(dither_bits + 1) - 2.0 ** -(ref.slot_dither_bits(dither_bits) + 1)
     fraction = torch.remainder(xi, 1.0)
@@ -117,10 +122,24 @@ def test_dither_is_uniform_mod_one_along_every_channel_and_every_slot(dither_bit
     along_slots = torch.remainder(xi[:, 3, 17] - xi[0, 3, 17], 1.0) * 2 ** ref.slot_dither_bits(dither_bits)
     assert float((along_slots - along_slots.round()).abs().max()) < 2.0**-7
     for values in (fraction[5].reshape(-1), fraction[:, 3, 17]):  # one slot's 8192 channels; one channel's slots
-        counts = torch.histc(values, bins=8, min=0.0, max=1.0)
-        assert float((counts / counts.mean() - 1).abs().max()) < 0.12  # 512+ samples a bin: 5 standard errors
+        _uniform_on_eight_bins(values)
     assert abs(float(fraction.mean()) - 0.5) < 2e-3
     assert abs(float(fraction.var()) - 1.0 / 12.0) < 1e-3
+
+
+@pytest.mark.parametrize("dither_bits", ref.DITHER_BITS)
+def test_k_dither_is_the_channel_part_alone(dither_bits):
+    """K's ``xi = alpha_c``: the same for every slot, half a step off the ``2**-b`` grid, inside ``(-1/2, 1/2)``
+    and uniform along the channels of one slot (THEORY.md section 1: a logit's error sums over the channels of
+    one token, which need nothing else). K has no per-slot part to ask for."""
+    xi = _dither(dither_bits, slots=torch.arange(64), num_kv_heads=64)  # [64 slots, 64 heads, 128 channels]
+    assert torch.equal(xi, xi[:1].expand_as(xi))
+    assert float(xi.abs().max()) <= 0.5 - 2.0 ** -(dither_bits + 1)
+    index = (xi + 0.5) * 2**dither_bits - 0.5
+    assert torch.equal(index, index.round())
+    _uniform_on_eight_bins((xi[0] + 0.5).reshape(-1))
+    with pytest.raises(ValueError, match="no per-slot part"):
+        ref.slot_dither_fields(seed=9, layer=3, slots=torch.arange(4), num_kv_heads=2, kind="k", dither_bits=8)
 
 
 def test_dither_parts_follow_their_formulas():
@@ -142,12 +161,15 @@ def test_dither_parts_follow_their_formulas():
 
 
 def test_dither_depends_on_every_key_component():
-    base = _dither(16)
-    for change in (dict(seed=6), dict(layer=2), dict(slots=torch.arange(1, 257)), dict(kind="v")):
-        assert not torch.equal(_dither(16, **change), base), change
-    # Every slot has its own offset, every channel its own part.
+    base = _dither(16, kind="v")
+    for change in (dict(seed=6), dict(layer=2), dict(slots=torch.arange(1, 257)), dict(kind="k")):
+        assert not torch.equal(_dither(16, **{"kind": "v", **change}), base), change
+    # Every slot of V has its own offset, every channel its own part; K's changes with the seed and layer only.
     assert (base[1:] - base[:-1]).abs().amax(-1).min() > 0
     assert (base[:, :, 1:] - base[:, :, :-1]).abs().amax(0).min() > 0
+    for change in (dict(seed=6), dict(layer=2)):
+        assert not torch.equal(_dither(16, **change), _dither(16)), change
+    assert torch.equal(_dither(16, slots=torch.arange(1, 257)), _dither(16))
 
 
 # --- quantizer ---------------------------------------------------------------------------------------
@@ -340,6 +362,33 @@ def test_decode_matches_a_plain_attention_on_the_dequantized_cache():
     assert torch.allclose(result.out, expected, rtol=1e-10, atol=1e-12)
     assert result.certificate.shape == (14,)
     assert bool((result.certificate > 0).all())
+
+
+@pytest.mark.parametrize("law", ["gaussian", "exact-outliers"])
+def test_float32_evaluation_moves_the_attention_far_less_than_useful_certificates(law):
+    """THEORY.md section 3: the certificate bounds TV(p, p~) with ``p~`` the attention over the dequantized keys
+    in exact arithmetic; evaluating it in float32 moves it by at most 1e-5 on these shapes (the float64
+    reference on the same quantized keys), far below any certificate a gate would act on."""
+    generator = torch.Generator().manual_seed(7)
+    outliers = ref.rope_pair_channels([0, 1], 128) if law == "exact-outliers" else None
+    worst = 0.0
+    for num_tokens in (256, 4096):
+        keys = torch.randn(num_tokens, 2, 128, generator=generator, dtype=torch.float64)
+        if outliers is not None:
+            keys[:, :, outliers] *= 40.0  # large logits carried by exact channels
+        keys = keys.to(torch.float16)
+        slots = torch.randperm(4 * num_tokens, generator=generator)[:num_tokens]
+        common = dict(seed=3, layer=1, slots=slots, dither_bits=8)
+        k = ref.quantize(keys, kind="k", outlier_channels=outliers, **common)
+        v = ref.quantize(keys, kind="v", **common)
+        for temperature in (0.5, 4.0, 16.0):
+            q = (temperature * torch.randn(14, 128, generator=generator, dtype=torch.float64)).to(torch.float16)
+            r32, r64 = (ref.decode_attention(q.to(t), k, v, delta_step=1e-7) for t in (torch.float32, torch.float64))
+            evaluation_error = ref.total_variation(r64.probs, r32.probs.double())
+            worst = max(worst, float(evaluation_error.max()))
+            useful = r64.certificate >= 1e-2
+            assert bool((evaluation_error[useful] < 1e-3 * r64.certificate[useful]).all())
+    assert 0 < worst < 1e-5
 
 
 def test_radius_formula_and_outliers_carry_no_radius():
