@@ -104,8 +104,8 @@ def refusals(features: ServingFeatures) -> list[str]:
         )
     if features.speculative_algorithm:
         problems.append(
-            f"speculative decoding ({features.speculative_algorithm}) moves KV slots, and a moved int8 code no longer "
-            "matches its slot's dither; remove --speculative-algorithm"
+            f"speculative decoding ({features.speculative_algorithm}): the witcert backend has no draft or verify "
+            "forward modes, and the pool does not move tokens between slots; remove --speculative-algorithm"
         )
     if features.kv_cache_dtype not in ("auto", "float16", "bfloat16", "fp16", "bf16"):
         problems.append(

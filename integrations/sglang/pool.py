@@ -5,7 +5,7 @@ SGLang's configurator builds the pool class the plugin hands it (``plugin.py`` h
 subclass keeps SGLang's addressing (slots, layers, ``start_layer``) and replaces the storage with a
 ``witcert.kernels.KVPool``; ``k_buffer`` / ``v_buffer`` are views of its int8 codes, so SGLang code
 that only asks for shapes or pointers still works. Everything that would read codes as values, or
-move a token to another slot (its dither is keyed to the slot), is refused.
+move a token to another slot, is refused.
 """
 
 from __future__ import annotations
@@ -207,12 +207,16 @@ class WitcertKVPool(MHATokenToKVPool):
             self.exact[1][local, host, heads].to(self.device),
         )
 
-    # --- operations that would break the slot-keyed dither ----------------------------------------
+    # --- operations the pool refuses ---------------------------------------------------------------
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        # SGLang moves slots for speculative decoding only, which the launch checks refuse. K's codes would
+        # survive a move (K's dither is per channel), but a dithered V's code decodes only with its own slot's
+        # dither, and gate mode keeps its repaired state per slot.
         raise RuntimeError(
-            "the witcert pool cannot move tokens between slots: a code decodes only with its own slot's dither, "
-            "and re-quantizing a decoded value would add an error no certificate covers"
+            "the witcert pool does not move tokens between slots (SGLang does for speculative decoding, which "
+            "witcert does not support): a dithered V's code decodes only with its own slot's dither, and "
+            "re-quantizing a decoded value would add an error no certificate covers"
         )
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None) -> None:
