@@ -57,7 +57,7 @@ def run_selftest(seed: int) -> int:
     v = torch.randn(len(slots), kv_heads, head_dim, generator=generator).half().to(device)
     pool.write(1, slots, k, v)
     expected = reference.quantize(k.cpu(), seed=seed, layer=1, slots=slots.cpu(), kind="k", dither_bits=8)
-    code_mismatches = int((pool.codes[1, 0, slots].cpu() != expected.codes).sum())
+    code_mismatches = int((pool.quantized(1, slots, "k").codes.cpu() != expected.codes).sum())
     xi = reference.dither_values(
         seed=seed, layer=1, slots=slots.cpu(), num_kv_heads=kv_heads, head_dim=head_dim, kind="v", dither_bits=8
     )

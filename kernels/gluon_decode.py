@@ -339,17 +339,16 @@ def _rescaled(acc, alpha):
 
 @gluon.jit
 def _neg_codes(codes):
-    """Four codes -> fp16 ``-code``, two ``f16x2``: ``code ^ 0x80`` under the fp16 exponent byte 0x64 is ``1152 +
-    code``, and ``1152`` minus it is exact. With these the MMAs compute ``-(q_g . code_g)`` plus their start value
-    (``_qk_group``)."""
+    """Four stored codes -> fp16 ``-code``, two ``f16x2``: the stored byte ``code + 128`` (``pool.encode_codes``)
+    under the fp16 exponent byte 0x64 is ``1152 + code``, and ``1152`` minus it is exact. With these the MMAs
+    compute ``-(q_g . code_g)`` plus their start value (``_qk_group``)."""
     return gl.inline_asm_elementwise(
         """
         {
-        .reg .b32 biased, offset;
-        xor.b32 biased, $2, 0x80808080;
+        .reg .b32 offset;
         mov.b32 offset, 0x64806480;
-        prmt.b32 $0, biased, 0x64646464, 0x4140;
-        prmt.b32 $1, biased, 0x64646464, 0x4342;
+        prmt.b32 $0, $2, 0x64646464, 0x4140;
+        prmt.b32 $1, $2, 0x64646464, 0x4342;
         sub.rn.f16x2 $0, offset, $0;
         sub.rn.f16x2 $1, offset, $1;
         }
@@ -374,13 +373,11 @@ def _v_pairs(codes, scales):
     return gl.inline_asm_elementwise(
         """
         {
-        .reg .b32 a, b, lo, hi, offset, s, neg;
-        xor.b32 a, $8, 0x80808080;
-        xor.b32 b, $9, 0x80808080;
+        .reg .b32 lo, hi, offset, s, neg;
         mov.b32 offset, 0xE480E480;
         prmt.b32 s, $10, $12, 0x5410;
-        prmt.b32 lo, a, b, 0x5140;
-        prmt.b32 hi, a, b, 0x7362;
+        prmt.b32 lo, $8, $9, 0x5140;
+        prmt.b32 hi, $8, $9, 0x7362;
         prmt.b32 $0, lo, 0x64646464, 0x4140;
         prmt.b32 $1, lo, 0x64646464, 0x4342;
         prmt.b32 $2, hi, 0x64646464, 0x4140;
@@ -693,16 +690,16 @@ def _decode_stage1_gluon(
     # K(1), V(1), ..., so waiting until one group is left in flight completes the older of the two.
     # Separate buffers: the membar analysis would order copies into one buffer's parts by barriers.
     k_tiles = (
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.int8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
     )
     v_tiles = (
-        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.int8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
     )
     k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _ROW_MAJOR_2D)
     v_scales = gl.allocate_shared_memory(gl.float16, [8, 16, 4], _ROW_MAJOR)

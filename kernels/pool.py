@@ -2,8 +2,10 @@
 
 Layout (one tensor each, indexed ``[layer, side, slot, kv_head, ...]``, side 0 = K, 1 = V): a token's
 codes for one head are ``head_dim`` contiguous bytes, so a decode tile of tokens reads whole 128-byte
-rows. The dither is never stored: it is regenerated from ``(seed, layer, slot, kv_head, side)`` as a per-channel
-part plus a per-slot part (docs/THEORY.md, section 1).
+rows. A code is stored as the byte ``code + 128`` (``uint8``, the int8 code with its sign bit flipped:
+``encode_codes``), which is what the read kernels' fp16 construction needs, so they skip a ``xor`` per four
+codes. The dither is never stored: it is regenerated from ``(seed, layer, slot, kv_head, side)`` as a
+per-channel part, plus a per-slot part on V (docs/THEORY.md, section 1).
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ def _pow2(n: int) -> int:
 
 # The nearest-V decode forms scale * code in fp16 (docs/KERNELS.md): scales up to 515.5, times 127.
 NEAREST_V_MAX = 65_000.0
+
+
+def encode_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes -> the stored bytes ``code + 128`` (uint8): the sign bit flipped."""
+    return codes.view(torch.uint8) ^ 0x80
+
+
+def decode_codes(stored: torch.Tensor) -> torch.Tensor:
+    """The stored bytes ``code + 128`` (uint8) -> int8 codes. Raw zeros (a slot never written) read as -128."""
+    return (stored ^ 0x80).view(torch.int8)
 
 
 class KVPool:
@@ -109,7 +121,7 @@ class KVPool:
             ]
         ).contiguous()  # fmt: skip
         shape = (num_layers, 2, num_slots, kv_heads)
-        self.codes = torch.zeros(*shape, head_dim, dtype=torch.int8, device=self.device)
+        self.codes = torch.zeros(*shape, head_dim, dtype=torch.uint8, device=self.device)  # encode_codes
         self.scales = torch.zeros(*shape, self.num_groups, dtype=torch.float16, device=self.device)
         self.outlier_values = torch.zeros(*shape, self.num_outliers, dtype=dtype, device=self.device)
 
@@ -292,7 +304,7 @@ class KVPool:
                 dither_bits=self.dither_bits,
                 dither=self.dithered(kind),
             )
-            self.codes[layer, side, slots] = quantized.codes
+            self.codes[layer, side, slots] = encode_codes(quantized.codes)
             self.scales[layer, side, slots] = quantized.scales
             self.outlier_values[layer, side, slots] = quantized.outlier_values.to(self.dtype)
 
@@ -304,7 +316,7 @@ class KVPool:
         slots = self._check_slots(slots).to(torch.int64)
         side = SIDES.index(kind)
         return reference.QuantizedKV(
-            codes=self.codes[layer, side, slots],
+            codes=decode_codes(self.codes[layer, side, slots]),
             scales=self.scales[layer, side, slots],
             outlier_values=self.outlier_values[layer, side, slots],
             outlier_channels=self.outlier_channels[layer],

@@ -24,7 +24,7 @@ from witcert.kernels import triton_kernels
 from witcert.kernels.attention import LAUNCH
 
 _POINTERS = dict(
-    Q="fp16", KCodes="i8", KScales="fp16", KOutliers="fp16", VCodes="i8", VScales="fp16", VOutliers="fp16",
+    Q="fp16", KCodes="u8", KScales="fp16", KOutliers="fp16", VCodes="u8", VScales="fp16", VOutliers="fp16",
     KAlpha="fp32", VAlpha="fp32", OutlierIndex="i32", OutlierChannels="i32", KvStart="i32", KvLen="i32",
     KvIndices="i32", Skip="i8",
     PartOut="fp32", PartLse="fp32", PartMax="fp32", PartA1="fp32", PartB="fp32", PartURest="fp32",
@@ -95,7 +95,7 @@ def _compile_extend(q_dtype: str, certificate: bool) -> bytes:
 
     kernel = triton_extend._extend_stage1
     pointers = dict(
-        Q=q_dtype, KCodes="i8", KScales="fp16", VCodes="i8", VScales="fp16", KAlpha="fp32", QoIndptr="i32",
+        Q=q_dtype, KCodes="u8", KScales="fp16", VCodes="u8", VScales="fp16", KAlpha="fp32", QoIndptr="i32",
         KvIndptr="i32", KvIndices="i32", BlockSequence="i32", BlockFirst="i32", PartOut="fp32", PartLse="fp32",
         PartMax="fp32", PartA1="fp32", PartB="fp32", PartURest="fp32", PartPRest="fp32", PartU="fp32",
     )  # fmt: skip

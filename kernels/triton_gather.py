@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from witcert.kernels.triton_kernels import _FP32_INF, _by_channel, dither_rows, token_head_rows
+from witcert.kernels.triton_kernels import _FP32_INF, _by_channel, dither_rows, stored_code_values, token_head_rows
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def _gather_side(
     codes = tl.load(Codes + slot_base[:, None] * HEAD_DIM + channels[None, :], mask=row_ok[:, None], other=0)
     groups = tl.arange(0, num_groups)
     scales = tl.load(Scales + slot_base[:, None] * num_groups + groups[None, :], mask=row_ok[:, None], other=0.0)
-    value = codes.to(tl.float32)
+    value = stored_code_values(codes)
     if DITHER:
         head_word = tl.arange(0, HEADS_PAD).to(tl.uint32)[:, None] | tl.full((), KIND_BIT << 31, tl.uint32)
         value = value - dither_rows(

@@ -452,13 +452,14 @@ def _write_kernel(
         scaled = scaled + dither_rows(
             seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS, KIND_BIT == 1
         )
-    # |scaled| < 127: the rounded sum is 1.5 * 2**23 + code, whose bits are 0x4B400000 + code, so their low
-    # byte is the int8 code (two's complement): no subtraction, no float -> int conversion.
-    codes = (scaled + _ROUND_MAGIC).to(tl.int32, bitcast=True)
+    # |scaled| < 127: the rounded sum is 1.5 * 2**23 + 128 + code (128 is even: ties round as without it),
+    # whose bits are 0x4B400000 + 128 + code, so their low byte is the stored byte code + 128 (pool.encode_codes):
+    # no subtraction, no float -> int conversion.
+    codes = (scaled + (_ROUND_MAGIC + 128.0)).to(tl.int32, bitcast=True)
     if HAS_OUTLIERS:
-        codes = tl.where(is_outlier, 0, codes)
+        codes = tl.where(is_outlier, 128, codes)
     slot_base = slots * NUM_KV_HEADS + head
-    tl.store(Codes + slot_base[:, None] * HEAD_DIM + channels[None, :], codes.to(tl.int8), mask=row_ok[:, None])
+    tl.store(Codes + slot_base[:, None] * HEAD_DIM + channels[None, :], codes.to(tl.uint8), mask=row_ok[:, None])
     groups = tl.arange(0, num_groups)
     tl.store(Scales + slot_base[:, None] * num_groups + groups[None, :], scale, mask=row_ok[:, None])
     if HAS_OUTLIERS:
@@ -485,25 +486,22 @@ def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _code_operand(codes, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The int8 codes as exact ``dtype`` values.
+    """The stored codes (bytes ``code + 128``, ``pool.encode_codes``) as exact ``dtype`` values of ``code``.
 
-    fp16 by bit pattern: ``code ^ 0x80`` is ``code + 128`` as a byte, zero-extended under ``0x6400`` it is
-    the fp16 ``1152 + code`` (ulp 1 on [1024, 2048)), and subtracting 1152 in fp16 is exact. Compiled,
-    four codes take one ``xor``, two ``prmt`` (the byte under the exponent byte ``0x64``) and two ``f16x2``
-    subtractions.
+    fp16 by bit pattern: the byte ``code + 128`` zero-extended under ``0x6400`` is the fp16 ``1152 + code``
+    (ulp 1 on [1024, 2048)), and subtracting 1152 in fp16 is exact. Compiled, four codes take two ``prmt``
+    (the byte under the exponent byte ``0x64``) and two ``f16x2`` subtractions.
     """
     if dtype == tl.float16:
         if INTERPRETED:
-            biased = (codes ^ -128).to(tl.uint8, bitcast=True).to(tl.uint16) | 0x6400
-            return biased.to(tl.float16, bitcast=True) - 1152.0
+            return (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
         return tl.inline_asm_elementwise(
             """
             {
-            .reg .b32 biased, offset;
-            xor.b32 biased, $2, 0x80808080;
+            .reg .b32 offset;
             mov.b32 offset, 0xE480E480;
-            prmt.b32 $0, biased, 0x64646464, 0x4140;
-            prmt.b32 $1, biased, 0x64646464, 0x4342;
+            prmt.b32 $0, $2, 0x64646464, 0x4140;
+            prmt.b32 $1, $2, 0x64646464, 0x4342;
             add.rn.f16x2 $0, $0, offset;
             add.rn.f16x2 $1, $1, offset;
             }
@@ -514,7 +512,13 @@ def _code_operand(codes, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
             is_pure=True,
             pack=4,
         )
-    return codes.to(tl.float32).to(dtype)
+    return stored_code_values(codes).to(dtype)
+
+
+@triton.jit
+def stored_code_values(codes):
+    """The stored bytes ``code + 128`` as float32 ``code`` (exact)."""
+    return (codes.to(tl.int32) - 128).to(tl.float32)
 
 
 @triton.jit
@@ -784,8 +788,8 @@ def _decode_stage1(
             group_weights = weights[None, :, :] * tl.trans(v_scales.to(tl.float32))[:, None, :]
             w_hi, w_mid, w_lo = _split_bf16(group_weights)
             acc = acc * alpha[None, :, None]
-            # int8 -> fp32 -> bf16: exact, and Triton's interpreter mis-converts int8 -> bf16 directly.
-            v_operand = _by_group(v_codes.to(tl.float32).to(tl.bfloat16), BLOCK_N, num_groups, GROUP_SIZE)
+            # code -> fp32 -> bf16: exact, and Triton's interpreter mis-converts integers -> bf16 directly.
+            v_operand = _by_group(stored_code_values(v_codes).to(tl.bfloat16), BLOCK_N, num_groups, GROUP_SIZE)
             acc = _dot16(w_hi, v_operand, acc, INTERPRETED)
             acc = _dot16(w_mid, v_operand, acc, INTERPRETED)
             acc = _dot16(w_lo, v_operand, acc, INTERPRETED)

@@ -39,6 +39,7 @@ from witcert.kernels import (  # noqa: E402
     select_path,
 )
 from witcert.kernels.attention import wave_splits  # noqa: E402
+from witcert.kernels.pool import decode_codes, encode_codes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
@@ -81,15 +82,25 @@ def test_write_is_bit_identical_to_reference(dither_bits, outliers, v_dither, kv
             dither_bits=dither_bits, dither=kind == "k" or v_dither,
         )  # fmt: skip
         assert torch.equal(pool.scales[1, side, slots], expected.scales)
-        assert torch.equal(pool.codes[1, side, slots], expected.codes)
+        assert torch.equal(pool.codes[1, side, slots], encode_codes(expected.codes))
         assert torch.equal(pool.outlier_values[1, side, slots], expected.outlier_values)
         # Nothing clipped: every code within [-127, 127] and every error within s/2.
-        assert int(pool.codes[1, side].abs().max()) <= 127
+        assert int(decode_codes(pool.codes[1, side, slots]).abs().max()) <= 127
         error = (pool.dequantize(1, slots, kind) - x.float()).abs()
         assert bool((error <= pool.quantized(1, slots, kind).channel_scales() / 2).all())
     untouched = torch.ones(96, dtype=torch.bool)
     untouched[slots] = False
     assert not pool.codes[1, :, untouched].any() and not pool.codes[0].any()
+
+
+def test_codes_are_stored_as_code_plus_128():
+    """The pool stores each int8 code as the byte ``code + 128`` (the read kernels' fp16 construction needs no
+    ``xor``); ``decode_codes`` inverts ``encode_codes`` on every byte."""
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    stored = encode_codes(codes)
+    assert stored.dtype == torch.uint8
+    assert torch.equal(stored.to(torch.int16), codes.to(torch.int16) + 128)
+    assert torch.equal(decode_codes(stored), codes)
 
 
 def _assert_write_matches_reference(pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,7 +111,7 @@ def _assert_write_matches_reference(pool: KVPool, slots: torch.Tensor, k: torch.
             dither_bits=pool.dither_bits, dither=pool.dithered(kind),
         )  # fmt: skip
         assert torch.equal(pool.scales[0, side, slots], expected.scales), kind
-        assert torch.equal(pool.codes[0, side, slots], expected.codes), kind
+        assert torch.equal(pool.codes[0, side, slots], encode_codes(expected.codes)), kind
 
 
 @pytest.mark.parametrize("dither_bits", [8, 16, 24])
@@ -145,7 +156,7 @@ def test_write_is_bit_identical_on_rounding_ties_and_extreme_values(dither_bits)
     k[2, :, ::2] = k[1, :, ::2]
     k[3] = -0.0
     _assert_write_matches_reference(pool, slots, k, v)
-    codes = pool.codes[0, :, slots]
+    codes = decode_codes(pool.codes[0, :, slots])
     assert not (codes[1].reshape(-1, group)[:, 1:] % 2).any()  # V: every tie went to the even code
     if dither_bits == 8:
         assert not (codes[0, 4:].reshape(-1, group)[:, 1:] % 2).any()
@@ -575,7 +586,7 @@ def test_unvalidated_write_skips_out_of_range_slots():
     k = torch.randn(3, 2, 128, generator=torch.Generator().manual_seed(4)).half()
     pool.write(0, torch.tensor([5, 32, -1]), k, k, validate=False)
     expected = reference.quantize(k[:1], seed=0, layer=0, slots=torch.tensor([5]), kind="k", dither_bits=8)
-    assert torch.equal(pool.codes[0, 0, 5:6], expected.codes)
+    assert torch.equal(pool.codes[0, 0, 5:6], encode_codes(expected.codes))
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[5] = False
     assert not pool.codes[0, :, untouched].any() and not pool.scales[0, :, untouched].any()

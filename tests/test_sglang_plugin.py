@@ -325,7 +325,7 @@ def test_pool_hook_refuses_mla_and_an_unaccounted_capacity(monkeypatch):
 def test_moving_a_token_between_slots_is_refused(monkeypatch):
     monkeypatch.setattr(plugin, "_capacity_accounted", True)
     pool = _pool_from_configurator(num_rows=8, layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-    assert pool.get_key_buffer(0).dtype == torch.int8
+    assert pool.get_key_buffer(0).dtype == torch.uint8
     with pytest.raises(RuntimeError, match="dither"):
         pool.move_kv_cache(torch.tensor([1]), torch.tensor([2]))
 

@@ -3,7 +3,7 @@
 SGLang's configurator builds the pool class the plugin hands it (``plugin.py`` hooks
 ``KVCacheConfigurator._resolve_kv_pool_class``) with the same arguments as its own MHA pool. This
 subclass keeps SGLang's addressing (slots, layers, ``start_layer``) and replaces the storage with a
-``witcert.kernels.KVPool``; ``k_buffer`` / ``v_buffer`` are views of its int8 codes, so SGLang code
+``witcert.kernels.KVPool``; ``k_buffer`` / ``v_buffer`` are views of its stored codes, so SGLang code
 that only asks for shapes or pointers still works. Everything that would read codes as values, or
 move a token to another slot, is refused.
 """
@@ -98,7 +98,7 @@ class WitcertKVPool(MHATokenToKVPool):
                 device=self.device,
                 dtype=self.dtype,
             )
-        self.store_dtype = torch.int8
+        self.store_dtype = torch.uint8
         self.k_buffer = [self.witcert.codes[layer, 0] for layer in range(self.layer_num)]
         self.v_buffer = [self.witcert.codes[layer, 1] for layer in range(self.layer_num)]
         for name in ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer"):
@@ -152,7 +152,8 @@ class WitcertKVPool(MHATokenToKVPool):
         return side_bytes[0], side_bytes[1]
 
     def _get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """The int8 codes of ``layer_id`` (not values: they decode only with scales and the slot's dither)."""
+        """The stored codes of ``layer_id`` (bytes ``code + 128``; not values: they decode only with scales and
+        the dither)."""
         return self.k_buffer[layer_id - self.start_layer]
 
     def _get_value_buffer(self, layer_id: int) -> torch.Tensor:
