@@ -7,12 +7,15 @@ be imported only once the caller has settled that.
 Exactness (docs/KERNELS.md): every dot product runs on operands that are exact in the 16-bit input
 type, with fp32 accumulation, so the kernel reproduces the float32 reference up to float32 rounding:
 
-* ``q_g . k_hat_g = s_g (q_g . code_g + q_g . (-xi_g))`` one channel group at a time: ``code`` in
-  [-127, 127] and ``-xi = (255 - 2j) / 512`` (8-bit dithers) are exact in fp16 and bf16; the group
-  scale multiplies whole columns of the ``[H, N]`` partial logits.
+* ``q_g . k_hat_g = s_g (q_g . code_g - q_g . alpha_g)`` one channel group at a time (K's dither is
+  ``alpha_c`` alone): ``code`` in [-127, 127] is exact in fp16 and bf16 and ``q_g . alpha_g`` one float32
+  sum per row; the group scale multiplies whole columns of the ``[H, N]`` partial logits.
 * Output with V rounded to nearest: ``s * code = v_hi + v_lo`` exactly in fp16 and ``2**14 p~`` split
   into fp16 ``p_hi + p_mid``, three fp16 dots. With V dithered: the fp32 weight ``p~_t s_t`` split into
-  three bf16 terms, batched over the groups against the exact bf16 codes and ``-xi``.
+  three bf16 terms, batched over the groups against the exact bf16 codes, and the dither's share
+  ``alpha_c sum_t w_t + sum_t w_t beta_t`` subtracted per group.
+
+Codes arrive as the pool stores them, bytes ``code + 128`` (``pool.encode_codes``).
 """
 
 from __future__ import annotations
