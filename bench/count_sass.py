@@ -62,7 +62,10 @@ def by_pipe(opcodes: collections.Counter[str]) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernel", choices=["gluon", "triton"], default="gluon", help="which stage 1 (default gluon)")
+    parser.add_argument(
+        "--kernel", choices=["gluon", "triton", "extend"], default="gluon",
+        help="which stage 1 (default gluon; extend: the tiled extend kernel, fp16 or bf16 queries only)",
+    )  # fmt: skip
     parser.add_argument(
         "--v-dither", action="store_true", help="the dithered-V variant, Triton only (default: V nearest)"
     )
@@ -76,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (default: LAUNCH's)")
     parser.add_argument("--by-pipe", action="store_true", help="also count the loop's instructions per issuing pipe")
     args = parser.parse_args(argv)
-    if args.v_dither and args.kernel == "gluon":
-        parser.error("the Gluon stage 1 has no dithered-V variant (--kernel triton)")
+    if args.v_dither and args.kernel != "triton":
+        parser.error("only the Triton stage 1 has a dithered-V variant (--kernel triton)")
     if args.maxnreg is not None:
         if args.kernel != "gluon":
             parser.error("--maxnreg sets the Gluon stage 1's cap (the Triton one's is LAUNCH.maxnreg)")
