@@ -231,7 +231,7 @@ def dither_values(
         dither_bits,
     )
     if not has_slot_part(kind):
-        return alpha[None, :, :].expand(slots.shape[0], -1, -1).to(dtype)
+        return alpha.to(dtype)[None, :, :].expand(slots.shape[0], -1, -1).contiguous()
     beta = slot_dither_values(
         slot_dither_fields(
             seed=seed, layer=layer, slots=slots, num_kv_heads=num_kv_heads, kind=kind, dither_bits=dither_bits
