@@ -452,6 +452,7 @@ def _write_kernel(
     scaled = tl.fma(remainder, channel_reciprocal, first)
     if DITHER:
         head_word = tl.arange(0, HEADS_PAD).to(tl.uint32)[:, None] | tl.full((), KIND_BIT << 31, tl.uint32)
+        # Only V (kind bit 1) has a per-slot part.
         scaled = scaled + dither_rows(
             seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS, KIND_BIT == 1
         )
