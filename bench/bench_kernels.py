@@ -15,10 +15,14 @@ replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
   its place; everything else (stage 2, the shared Triton helpers) is this checkout's. Changes smaller
   than the few percent two runs differ by are measurable only this way, paired in one run.
 
-Inputs are rotated among enough copies that each timed call reads at least 512 MB, so the L2 (60 MB)
-cannot serve them. Bandwidth = bytes the variant must read (K and V codes, scales, indices; fp16
-for the fp16 variants) / median time; ``copy_tbps`` is a device-to-device copy (read + write) of
-2 GiB, the measured ceiling. The write kernel is timed on 1M tokens against a copy of its input.
+Inputs are rotated among enough copies that each timed call reads at least 512 MB, so the L2 (50 MB on
+the H200) cannot serve them. ``--resident-slots N`` does the opposite, to split a kernel's time into memory
+and the rest: the paged variants then read N slots over and over (``kv_indices`` is ``t % N`` for token
+``t``), which the L2 holds for N up to about 32k (1088 int8 bytes per token of 4 KV heads; 2048 for the
+fp16 kernel), so what is left is the time of the kernel's own instructions and latencies; SDPA, whose cache
+is contiguous, is not timed then. Bandwidth = bytes the variant must read (K and V codes, scales, indices;
+fp16 for the fp16 variants) / median time; ``copy_tbps`` is a device-to-device copy (read + write) of 2 GiB,
+the measured ceiling. The write kernel is timed on 1M tokens against a copy of its input.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def load_stage1(path: Path) -> ModuleType:
     """Another version of ``kernels/gluon_decode.py`` as a module of its own (its kernels compile apart)."""
     spec = importlib.util.spec_from_file_location(f"witcert_stage1_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline-stage1: cannot load {path} as a Python module")
+        raise SystemExit(f"cannot load {path} as a Python module (another version of kernels/gluon_decode.py)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -80,32 +84,39 @@ def bench_decode(
     names: tuple[str, ...] = VARIANTS,
     dtype: torch.dtype = torch.float16,
     baseline: ModuleType | None = None,
+    resident_slots: int | None = None,
 ) -> dict:
     tokens = batch * context
     fp16_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * 2
     copies = _rotations(fp16_bytes)
     generator = torch.Generator(device="cuda").manual_seed(batch * 1000003 + context)
-    row: dict = {"batch": batch, "context": context, "rotated_copies": copies}
+    row: dict = {"batch": batch, "context": context, "rotated_copies": copies, "resident_slots": resident_slots}
+    # Slots of the paged caches: copy i reads [i * tokens, (i + 1) * tokens), or all copies the same
+    # resident_slots slots.
+    slots = resident_slots or copies * tokens
 
     q = [torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).to(dtype) for _ in range(copies)]
     indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * context
-    # Paged caches of `copies * tokens` slots; copy i uses slots [i * tokens, (i + 1) * tokens).
-    pool = KVPool(copies * tokens, 1, KV_HEADS, HEAD_DIM, v_dither=v_dither, device="cuda", dtype=dtype)
-    k_cache = torch.empty(copies * tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    pool = KVPool(slots, 1, KV_HEADS, HEAD_DIM, v_dither=v_dither, device="cuda", dtype=dtype)
+    k_cache = torch.empty(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
     v_cache = torch.empty_like(k_cache)
     chunk = 2**20
-    for start in range(0, copies * tokens, chunk):
-        stop = min(start + chunk, copies * tokens)
+    for start in range(0, slots, chunk):
+        stop = min(start + chunk, slots)
         k = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).to(dtype)
         v = torch.randn(stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).to(dtype)
         k_cache[start:stop], v_cache[start:stop] = k, v
         pool.write(0, torch.arange(start, stop, device="cuda"), k, v, validate=False)
-    indices = [torch.arange(i * tokens, (i + 1) * tokens, device="cuda", dtype=torch.int32) for i in range(copies)]
-    # SDPA's contiguous caches: [B, H_kv, S, D] views of the same values.
-    k_sdpa = [k_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
-              .contiguous() for i in range(copies)]  # fmt: skip
-    v_sdpa = [v_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
-              .contiguous() for i in range(copies)]  # fmt: skip
+    if resident_slots:
+        indices = [torch.arange(tokens, device="cuda", dtype=torch.int32) % resident_slots] * copies
+        names = tuple(name for name in names if name != "sdpa_cudnn")
+    else:
+        indices = [torch.arange(i * tokens, (i + 1) * tokens, device="cuda", dtype=torch.int32) for i in range(copies)]
+        # SDPA's contiguous caches: [B, H_kv, S, D] views of the same values.
+        k_sdpa = [k_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+                  .contiguous() for i in range(copies)]  # fmt: skip
+        v_sdpa = [v_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+                  .contiguous() for i in range(copies)]  # fmt: skip
     out = torch.empty(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
     counter = {"i": 0}
 
@@ -242,11 +253,15 @@ def main() -> None:
                         "these stage-1 kernels (B=32, S=16k); the others keep the defaults")  # fmt: skip
     parser.add_argument("--variants", nargs="+", choices=VARIANTS + BASELINE_VARIANTS, help="time only these "
                         "(default: all; the base_ ones need --baseline-stage1)")  # fmt: skip
+    parser.add_argument("--resident-slots", type=int, metavar="N", help="the paged variants read N slots over "
+                        "and over, which the L2 holds (N <= about 32k): time without DRAM; no SDPA")  # fmt: skip
     args = parser.parse_args()
     baseline = load_stage1(args.baseline_stage1) if args.baseline_stage1 else None
     names = tuple(args.variants or VARIANTS + (BASELINE_VARIANTS if baseline else ()))
     if baseline is None and set(names) & set(BASELINE_VARIANTS):
         parser.error("--variants base_nocert / base_cert need --baseline-stage1")
+    if args.resident_slots is not None and args.resident_slots < 1:
+        parser.error(f"--resident-slots must be at least 1, not {args.resident_slots}")
     delta = reference.delta_step(28, Q_HEADS)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     results = {
@@ -255,6 +270,7 @@ def main() -> None:
         "copy_tbps": copy_bandwidth(),
         "write": bench_write(),
         "baseline_stage1": str(args.baseline_stage1) if baseline else None,
+        "resident_slots": args.resident_slots,
         "decode": [],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -266,11 +282,14 @@ def main() -> None:
     for v_dither in modes:
         for batch in args.batches:
             for context in args.contexts:
-                row = bench_decode(batch, context, v_dither, delta, names=names, dtype=dtype, baseline=baseline)
+                row = bench_decode(
+                    batch, context, v_dither, delta, names=names, dtype=dtype, baseline=baseline,
+                    resident_slots=args.resident_slots,
+                )  # fmt: skip
                 row["v_dither"] = v_dither
                 row["dtype"] = args.dtype
                 results["decode"].append(row)
-                cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in names]
+                cells = [f"{name}={row[name].get('ms', float('nan')):.4f}ms" for name in names if name in row]
                 print(f"v_dither={v_dither} B={batch} S={context}: " + " ".join(cells), flush=True)
                 torch.cuda.empty_cache()
                 # Rewritten after every row: a run stopped at its time limit keeps what it measured.

@@ -10,7 +10,9 @@ query), disassembles it with the ``nvdisasm`` that Triton ships, and prints per 
 instructions of the whole kernel and of the token loop alone (one iteration per 128-token tile), the
 registers, the local-memory spill stores (all, and those in the loop), the most frequent opcodes and,
 with ``--by-line`` and ``--by-function``, which source lines and functions the loop's instructions come
-from; ``--by-pipe`` counts them per issuing pipe. ``--maxnreg`` compiles the Gluon stage 1 at another register cap.
+from; ``--by-pipe`` counts them per issuing pipe. ``--maxnreg`` compiles the Gluon stage 1 at another register
+cap, ``--stage1 FILE`` another version of it (a ``bench/whatif_stage1.py`` output, or ``git show
+REV:kernels/gluon_decode.py``).
 
 Use the device's Triton version for figures that match its binaries (3.6 in 2026-12):
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/count_sass.py``.
@@ -24,6 +26,7 @@ import re
 from pathlib import Path
 
 import triton
+from bench_kernels import load_stage1
 
 from witcert.kernels.attention import LAUNCH
 from witcert.kernels.sass import compile_cubin, profile
@@ -78,7 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--by-function", type=int, default=0, metavar="N", help="also list the N heaviest functions")
     parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (default: LAUNCH's)")
     parser.add_argument("--by-pipe", action="store_true", help="also count the loop's instructions per issuing pipe")
+    parser.add_argument("--stage1", type=Path, metavar="FILE", help="compile this version of kernels/gluon_decode.py "
+                        "instead (--kernel gluon)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.stage1 and args.kernel != "gluon":
+        parser.error("--stage1 replaces the Gluon stage 1 (--kernel gluon)")
+    gluon_module = load_stage1(args.stage1) if args.stage1 else None
     if args.v_dither and args.kernel != "triton":
         parser.error("only the Triton stage 1 has a dithered-V variant (--kernel triton)")
     if args.maxnreg is not None:
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             v_dither=args.v_dither,
             offsets_64=args.offsets_64,
             q_dtype=args.q_dtype,
+            gluon_module=gluon_module,
         )
         result = profile(cubin)
         opcodes = result.opcodes

@@ -17,7 +17,14 @@ certificates or outputs that differ from the reference), so they never run outsi
 * ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
   read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
   certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
-  ``kernels/gluon_decode.py`` on the GPU machine and run ``bench_kernels.py --sweep gluon`` for that.
+  ``kernels/gluon_decode.py`` on the GPU machine and run ``bench_kernels.py --sweep gluon`` for that;
+* ``nobranch`` (a code change; computes what the real kernel does): the output's rescale by ``alpha`` as a
+  plain multiply, without the branch that skips it where no max moved. The branch splits the loop into
+  blocks that the scheduler cannot interleave; this asks whether it still pays (session 8: 0-3.4%);
+* ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
+  PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
+  and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
+  L2) it tells how much of the full kernel's time the loads and the arithmetic overlap.
 
 An edit whose anchor text is missing (the kernel changed since) stops with an error naming it, rather than
 writing a file that would time something else.
@@ -101,10 +108,49 @@ _QSHARED = [
 ]
 
 
+_NOBRANCH = [
+    (
+        "    return gl.inline_asm_elementwise(\n"
+        "        _RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc, alpha], dtype=gl.float32, is_pure=True, pack=16\n"
+        "    )\n",
+        "    return acc * alpha\n",
+    ),
+]
+
+# Spans of the token loop that copyonly drops: (first line kept out, first line kept after).
+_COPYONLY_SPANS = [
+    (
+        "        group_scales = _k_group_scales(tile_scales)\n",
+        "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n",
+    ),
+    (
+        "        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)\n",
+        "        async_copy.wait_group(1)  # this tile's V\n",
+    ),
+    (
+        "        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))\n",
+        "        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)\n",
+    ),
+    (
+        "        # The certificate after PV, so that none of V's registers is live through it.\n",
+        "        slots = next_slots\n",
+    ),
+]
+
+
 def _replace(text: str, old: str, new: str) -> str:
     if text.count(old) != 1:
         raise SystemExit(f"whatif_stage1: kernels/gluon_decode.py changed; this anchor is not there once:\n{old}")
     return text.replace(old, new)
+
+
+def _drop_span(text: str, first: str, after: str) -> str:
+    """``text`` without the lines from ``first`` up to (not including) ``after``."""
+    start = _replace(text, first, first).index(first)
+    stop = _replace(text, after, after).index(after)
+    if stop <= start:
+        raise SystemExit(f"whatif_stage1: kernels/gluon_decode.py changed; this span is out of order:\n{first}")
+    return text[:start] + text[stop:]
 
 
 def variant(name: str, text: str) -> str:
@@ -118,10 +164,16 @@ def variant(name: str, text: str) -> str:
     if name in ("halfpv", "all"):
         for old, new in _HALFPV:
             text = _replace(text, old, new)
+    if name == "nobranch":
+        for old, new in _NOBRANCH:
+            text = _replace(text, old, new)
+    if name == "copyonly":
+        for first, after in _COPYONLY_SPANS:
+            text = _drop_span(text, first, after)
     return text
 
 
-VARIANTS = ("blockradius", "qshared", "halfpv", "all")
+VARIANTS = ("blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly")
 
 
 def main() -> None:

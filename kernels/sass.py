@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -46,11 +47,18 @@ _LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 
 
 def compile_cubin(
-    *, kernel_name: str, certificate: bool, v_dither: bool = False, offsets_64: bool = False, q_dtype: str = "fp16"
+    *,
+    kernel_name: str,
+    certificate: bool,
+    v_dither: bool = False,
+    offsets_64: bool = False,
+    q_dtype: str = "fp16",
+    gluon_module: ModuleType | None = None,
 ) -> bytes:
     """The stage 1 (``"gluon"`` or ``"triton"``, or extend's tiled kernel, ``"extend"``) at the benchmark's
     shape and ``LAUNCH`` config, as an sm_90 cubin (``offsets_64``: the variant for pools of 2**31 code bytes
-    or more; ``q_dtype``: ``"fp16"`` or ``"bf16"`` queries); compiling needs no GPU."""
+    or more; ``q_dtype``: ``"fp16"`` or ``"bf16"`` queries; ``gluon_module``: another version of
+    ``gluon_decode`` to compile in its place); compiling needs no GPU."""
     if kernel_name == "extend":
         return _compile_extend(q_dtype, certificate)
     if kernel_name == "gluon":
@@ -58,6 +66,7 @@ def compile_cubin(
 
         from witcert.kernels import gluon_decode
 
+        gluon_decode = gluon_module or gluon_decode
         kernel, source_type = gluon_decode._decode_stage1_gluon, GluonASTSource
         constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate, OFFSETS_64=offsets_64)
         cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert

@@ -69,7 +69,7 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     assert not gluon_decode.supports(**{**shape, "v_dither": True}, rows=1)
 
 
-@pytest.mark.parametrize("name", ["blockradius", "qshared", "halfpv", "all"])
+@pytest.mark.parametrize("name", ["blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly"])
 def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
     """bench/whatif_stage1.py edits the kernel's text; each edit must still find its anchor, or the what-if
     timings in docs/KERNELS.md could not be reproduced."""
@@ -89,6 +89,15 @@ def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
         assert "q_ops[g].load(_OP_B)" in edited
     if name in ("halfpv", "all"):
         assert "fma.rn.f16x2" not in edited and "mma_v2(v_hi, p_mid" not in edited
+    if name == "nobranch":
+        assert "_RESCALE_ASM, _RESCALE_CONSTRAINTS" not in edited
+    if name == "copyonly":
+        loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
+        loop = loop[: loop.index("    async_copy.wait_group(0)")]
+        for gone in ("_qk_group(", "_pv_tokens(", "_exp2(", "_radius("):
+            assert gone not in loop, gone
+        for kept in ("_copy_k(", "_copy_v(", "_copy_scales(", "async_copy.wait_group(1)"):
+            assert kept in loop, kept
     compile(edited, f"whatif_{name}", "exec")
 
 
