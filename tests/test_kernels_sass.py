@@ -69,7 +69,7 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     assert not gluon_decode.supports(**{**shape, "v_dither": True}, rows=1)
 
 
-@pytest.mark.parametrize("name", ["blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly"])
+@pytest.mark.parametrize("name", ["blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead"])
 def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
     """bench/whatif_stage1.py edits the kernel's text; each edit must still find its anchor, or the what-if
     timings in docs/KERNELS.md could not be reproduced."""
@@ -98,6 +98,11 @@ def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
             assert gone not in loop, gone
         for kept in ("_copy_k(", "_copy_v(", "_copy_scales(", "async_copy.wait_group(1)"):
             assert kept in loop, kept
+    if name == "qkahead":
+        loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
+        # The next tile's QK comes before this tile's softmax.
+        assert loop.index("next_logits = _qk_tile(") < loop.index("tile_max = gl.max(logits, axis=1)")
+        assert "gl.allocate_shared_memory(gl.float16, [3, BLOCK_N, 4], _ROW_MAJOR_2D)" in edited
     compile(edited, f"whatif_{name}", "exec")
 
 
