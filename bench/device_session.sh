@@ -5,7 +5,9 @@
 #   bash bench/device_session.sh validate       # install, then the GPU contract tests (about 5 minutes)
 #   bash bench/device_session.sh table          # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
 #   bash bench/device_session.sh memory         # where the time goes: the loop's copies alone, reads served by the L2
-#   bash bench/device_session.sh whatifs        # code changes that keep the contract, paired with the real kernel
+#   bash bench/device_session.sh whatifs NAME.. # code changes that keep the contract, paired with the real kernel
+#                                               # (bench/whatif_stage1.py's names; about 2 minutes each, so at most 4
+#                                               # a call: nobranch qkahead, then pipelined threadarg)
 #   bash bench/device_session.sh qkahead_tests  # the GPU decode tests on the qkahead what-if (before promoting it)
 #   bash bench/device_session.sh caps           # the Gluon register caps again (4 programs per SM at 128), and qshared's
 #   bash bench/device_session.sh full           # the whole table of docs/KERNELS.md, V rounded to nearest
@@ -44,7 +46,8 @@ memory)
         --variants int8_nocert int8_cert --output "$out/kernels_resident.json"
     ;;
 whatifs)
-    for name in nobranch qkahead; do
+    [[ $# -gt 1 ]] || { echo "whatifs: name the what-ifs to time (bench/whatif_stage1.py --help)" >&2; exit 2; }
+    for name in "${@:2}"; do
         python3 bench/whatif_stage1.py "$name" --output "$out/stage1_$name.py"
         python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
             --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert --output "$out/whatif_$name.json"

@@ -1,9 +1,12 @@
-"""Write a what-if version of the Gluon stage 1 for timing only: what a change of the contract would buy.
+"""Write a what-if version of the Gluon stage 1 for timing only: what a change of the contract or the code would buy.
 
 Each variant edits ``kernels/gluon_decode.py``'s text and writes the result to ``--output``; time it against
 the real kernel in one run with ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-All but ``qshared`` compute something other than what THEORY.md and the contract tests ask (dithers,
-certificates or outputs that differ from the reference), so they never run outside a benchmark:
+``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
+contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
+(``qshared``, ``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does, but
+only the GPU contract tests can show it (Gluon has no interpreter: ``bench/device_session.sh`` runs them on
+``qkahead``). None runs outside a benchmark:
 
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
@@ -25,6 +28,13 @@ certificates or outputs that differ from the reference), so they never run outsi
   Iteration i computes tile i + 1's logits first, then tile i's softmax, PV and certificate, so that one
   tile's MMA and reduction latencies overlap the other's work (what FlashAttention-3 calls intra-warpgroup
   pipelining); K's codes are double-buffered and its scales triple-buffered, 16 KB more shared memory;
+* ``pipelined``: ``qkahead`` and ``nobranch`` together: without the branch the whole iteration is one block
+  that the scheduler can interleave (tile i + 1's QK with tile i's softmax, PV with the certificate);
+* ``threadarg`` (a code change; computes what the real kernel does, but for which of two tokens with equal
+  logits is held apart, each choice a sound certificate): each thread holds apart its own running argmax
+  among its four tokens per tile, so the loop's certificate needs no lane exchange (the real kernel finds
+  each warp's tile argmax and its radius by two reductions over the lanes, 12 shuffles per tile); the held
+  tokens meet once, after the loop;
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
   and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
@@ -281,6 +291,81 @@ _QKAHEAD_SPAN = (
     "        # The certificate after PV, so that none of V's registers is live through it.\n",
 )
 
+_THREADARG_INIT = """\
+    # what-if threadarg: each thread holds apart its own running argmax (per head, the largest logit among
+    # its tokens so far, in base-2 units) with that token's u and g; its rest sums take every other token.
+    # After the loop the largest held logit is the split's argmax, and the other held tokens join the rest.
+    held_z = gl.full([4, 8, 8], -_FP32_INF, gl.float32, rest_l)
+    held_u = gl.zeros([4, 8, 8], gl.float32, rest_l)
+    held_g = gl.zeros([4, 8, 8], gl.float32, rest_l)
+"""
+_THREADARG_LOOP = """\
+            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
+            # [warp, the thread's 4 tokens, token % 8, head]: axis 1 is in registers, so no lane exchange.
+            logits4 = gl.reshape(logits, [4, 4, 8, 8])
+            radius4 = gl.reshape(radius, [4, 4, 8, 8])
+            weights4 = gl.reshape(weights, [4, 4, 8, 8])
+            l4: gl.constexpr = logits4.type.layout
+            own = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
+            own = own[None, :, None, None]
+            thread_max = gl.max(logits4, axis=1)
+            thread_arg = gl.min(gl.where(logits4 == thread_max[:, None, :, :], own, 4), axis=1)
+            is_arg = own == thread_arg[:, None, :, :]
+            u_arg = gl.sum(gl.where(is_arg, radius4, 0.0), axis=1)
+            g_arg = g_of(u_arg, True)
+            # Strictly larger: on a tie the token held first stays held. A token past the end or skipped has
+            # logit -inf and is never held.
+            moved = thread_max > held_z
+            live4 = gl.reshape(token_ok[:, :, None].broadcast_to(4, 32, 8), [4, 4, 8, 8])
+            rest = live4 & ~(is_arg & moved[:, None, :, :])
+            # The token that stops being held apart, in this tile's frame (weight 0 where none was held).
+            shift_t = gl.convert_layout(shift, gl.SliceLayout(1, rest_l))[:, None, :]
+            weight_old = _exp2(held_z - shift_t)
+            fold_b = gl.where(moved, weighted(weight_old, held_g), 0.0)
+            fold_u = gl.where(moved, weight_old * held_u, 0.0)
+            fold_w = gl.where(moved, weight_old, 0.0)
+            tile_b = inf_where_nan(gl.sum(weights4 * gl.where(rest, g_of(radius4, True), 0.0), axis=1))
+            b_rest = weighted(rest_alpha, b_rest) + tile_b + fold_b
+            u_rest = u_rest * rest_alpha + gl.sum(gl.where(rest, weights4 * radius4, 0.0), axis=1) + fold_u
+            w_rest = w_rest * rest_alpha + gl.sum(gl.where(rest, weights4, 0.0), axis=1) + fold_w
+            held_z = gl.where(moved, thread_max, held_z)
+            held_u = gl.where(moved, u_arg, held_u)
+            held_g = gl.where(moved, g_arg, held_g)
+
+"""
+_THREADARG_MERGE = """\
+    if CERTIFICATE:
+        # The split's argmax: the first thread (warp, then lane row) holding the largest logit, top. Every
+        # other held token joins the rest sums with its weight in the split's frame.
+        rest_heads: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, rest_l))
+        holder = (
+            gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, rest_l)))[:, None, None] * 8
+            + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None]
+        )
+        top_held = gl.convert_layout(top, rest_heads)[None, None, :]
+        first = gl.min(gl.min(gl.where(held_z == top_held, holder, 32), axis=1), axis=0)
+        winner = holder == gl.convert_layout(first, rest_heads)[None, None, :]
+        held_weight = _exp2(held_z - gl.convert_layout(top_shift, rest_heads)[None, None, :])
+        thread_weight = gl.convert_layout(warp_weight, gl.SliceLayout(1, rest_l))[:, None, :]
+        # U_rest's terms take no `0 * inf` rule in the loop (it would spill): a weight that underflowed beside a
+        # radius that overflowed makes the sum NaN, and a NaN stays NaN through every later scaling and sum,
+        # so it is read here as the reference's +inf (``mul_nonneg``).
+        u_rest = inf_where_nan(u_rest)
+        b_terms = mul_nonneg(thread_weight, b_rest) + gl.where(winner, 0.0, mul_nonneg(held_weight, held_g))
+        u_terms = weighted(thread_weight, u_rest) + gl.where(winner, 0.0, weighted(held_weight, held_u))
+        p_terms = thread_weight * w_rest + gl.where(winner, 0.0, held_weight)
+        b = gl.convert_layout(gl.sum(gl.sum(b_terms, axis=1), axis=0), heads_l)
+        u = gl.convert_layout(gl.sum(gl.sum(u_terms, axis=1), axis=0), heads_l)
+        p = gl.convert_layout(gl.sum(gl.sum(p_terms, axis=1), axis=0), heads_l)
+        u_top = gl.convert_layout(gl.sum(gl.sum(gl.where(winner, held_u, 0.0), axis=1), axis=0), heads_l)
+"""
+# (first line replaced, first line kept after, replacement)
+_THREADARG_SPANS = [
+    ("    fold_row = gl.arange(0, 8,", "    slot_max = _thread_max(", _THREADARG_INIT),
+    ("            radius = gl.where(token_ok[:, :, None], _radius(", "        running_max = new_max", _THREADARG_LOOP),
+    ("    if CERTIFICATE:\n        live = running_sum > 0\n", "        gl.store(PartMax + part_row", _THREADARG_MERGE),
+]
+
 
 def _replace(text: str, old: str, new: str) -> str:
     if text.count(old) != 1:
@@ -308,20 +393,23 @@ def variant(name: str, text: str) -> str:
     if name in ("halfpv", "all"):
         for old, new in _HALFPV:
             text = _replace(text, old, new)
-    if name == "nobranch":
+    if name in ("nobranch", "pipelined"):
         for old, new in _NOBRANCH:
             text = _replace(text, old, new)
     if name == "copyonly":
         for first, after in _COPYONLY_SPANS:
             text = _replace_span(text, first, after)
-    if name == "qkahead":
+    if name == "threadarg":
+        for first, after, new in _THREADARG_SPANS:
+            text = _replace_span(text, first, after, new)
+    if name in ("qkahead", "pipelined"):
         text = _replace_span(text, *_QKAHEAD_SPAN, _QKAHEAD_LOOP)
         for old, new in _QKAHEAD:
             text = _replace(text, old, new)
     return text
 
 
-VARIANTS = ("blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead")
+VARIANTS = ("blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead", "pipelined", "threadarg")
 
 
 def main() -> None:

@@ -69,7 +69,9 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     assert not gluon_decode.supports(**{**shape, "v_dither": True}, rows=1)
 
 
-@pytest.mark.parametrize("name", ["blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead"])
+@pytest.mark.parametrize(
+    "name", ["blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead", "pipelined", "threadarg"]
+)
 def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
     """bench/whatif_stage1.py edits the kernel's text; each edit must still find its anchor, or the what-if
     timings in docs/KERNELS.md could not be reproduced."""
@@ -89,7 +91,7 @@ def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
         assert "q_ops[g].load(_OP_B)" in edited
     if name in ("halfpv", "all"):
         assert "fma.rn.f16x2" not in edited and "mma_v2(v_hi, p_mid" not in edited
-    if name == "nobranch":
+    if name in ("nobranch", "pipelined"):
         assert "_RESCALE_ASM, _RESCALE_CONSTRAINTS" not in edited
     if name == "copyonly":
         loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
@@ -98,7 +100,13 @@ def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
             assert gone not in loop, gone
         for kept in ("_copy_k(", "_copy_v(", "_copy_scales(", "async_copy.wait_group(1)"):
             assert kept in loop, kept
-    if name == "qkahead":
+    if name == "threadarg":
+        loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
+        loop = loop[: loop.index("    async_copy.wait_group(0)")]
+        # No reduction over the tokens' lanes in the loop's certificate: the argmax is the thread's own.
+        assert "tile_arg" not in loop and "gl.reshape(logits, [4, 4, 8, 8])" in loop
+        assert "winner = holder == " in edited
+    if name in ("qkahead", "pipelined"):
         loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
         # The next tile's QK comes before this tile's softmax.
         assert loop.index("next_logits = _qk_tile(") < loop.index("tile_max = gl.max(logits, axis=1)")
