@@ -6,9 +6,10 @@
 #   bash bench/device_session.sh table          # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
 #   bash bench/device_session.sh memory         # where the time goes: the loop's copies alone, reads served by the L2
 #   bash bench/device_session.sh whatifs NAME.. # code changes that keep the contract, paired with the real kernel
-#                                               # (bench/whatif_stage1.py's names; about 2 minutes each, so at most 4
-#                                               # a call: nobranch qkahead, then pipelined threadarg)
-#   bash bench/device_session.sh qkahead_tests  # the GPU decode tests on the qkahead what-if (before promoting it)
+#                                               # (bench/whatif_stage1.py's names; about 2 minutes each, so two or
+#                                               # three a call: nobranch qkahead, then pipelined threadarg)
+#   bash bench/device_session.sh whatif_tests NAME  # the GPU tests of the Gluon stage 1 on a what-if that keeps
+#                                               # the contract (before promoting it into kernels/gluon_decode.py)
 #   bash bench/device_session.sh caps           # the Gluon register caps again (4 programs per SM at 128), and qshared's
 #   bash bench/device_session.sh full           # the whole table of docs/KERNELS.md, V rounded to nearest
 #
@@ -21,7 +22,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="validate table memory whatifs qkahead_tests caps full"
+stages="validate table memory whatifs whatif_tests caps full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -53,11 +54,12 @@ whatifs)
             --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert --output "$out/whatif_$name.json"
     done
     ;;
-qkahead_tests)
+whatif_tests)
+    [[ $# -eq 2 ]] || { echo "whatif_tests: name one what-if (bench/whatif_stage1.py --help)" >&2; exit 2; }
     # The what-if in the kernel's place for this call only (each call gets a fresh copy of the checkout).
-    python3 bench/whatif_stage1.py qkahead --output kernels/gluon_decode.py
+    python3 bench/whatif_stage1.py "$2" --output kernels/gluon_decode.py
     python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider -k gluon 2>&1 \
-        | tee "$out/gpu_tests_qkahead.log" | tail -25
+        | tee "$out/gpu_tests_$2.log" | tail -25
     ;;
 caps)
     # Since session 14 the loop without the certificate compiles at 128 registers with no spill (Triton 3.6).
