@@ -249,14 +249,18 @@ def _prepare_out(out: torch.Tensor | None, rows: int, heads: int, head_dim: int,
 
 
 def gluon_supports(q: torch.Tensor, pool: KVPool) -> bool:
-    """Whether the Gluon stage 1 covers decode on this pool (``gluon_decode.supports``, and a
-    GPU with the m16n8k16 ``mma.sync`` it is built on: compute capability 8.0 or newer)."""
+    """Whether the Gluon stage 1 covers decode on this pool (``gluon_covers``) on a GPU with the m16n8k16
+    ``mma.sync`` it is built on: compute capability 8.0 or newer."""
+    return torch.cuda.get_device_capability(q.device)[0] >= 8 and gluon_covers(q.dtype, pool)
+
+
+def gluon_covers(q_dtype: torch.dtype, pool: KVPool) -> bool:
+    """Whether the Gluon stage 1 computes decode for queries of ``q_dtype`` on this pool, whatever the device
+    (``gluon_decode.supports``: its dtypes, shapes and pool options)."""
     from witcert.kernels import gluon_decode
 
-    if torch.cuda.get_device_capability(q.device)[0] < 8:
-        return False
     return gluon_decode.supports(
-        q_dtype=q.dtype,
+        q_dtype=q_dtype,
         head_dim=pool.head_dim,
         group_size=pool.group_size,
         dither_bits=pool.dither_bits,

@@ -1,0 +1,201 @@
+"""The Gluon decode stage 1 against the reference on CPU, run in Triton's interpreter with its layouts dropped and
+its inline PTX emulated (tests/gluon_emulation.py). The GPU runs the same cases compiled (test_kernels_gpu.py).
+
+Also the what-ifs of bench/whatif_stage1.py: those that keep the contract must pass, and those that change it
+must not (which shows these tests can tell).
+"""
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gluon_emulation import emulated  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    assert_matches_oracle,
+    far_token_case,
+    filled_pool,
+    float32_logit_tolerance,
+    non_finite_token_readers,
+    oracle,
+    overflowing_query_case,
+    relative_error,
+)
+
+import witcert.kernels  # noqa: E402
+from witcert.kernels import attention, decode_attention, gluon_decode, reference  # noqa: E402
+from witcert.kernels.backend import select_path  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
+    reason="runs the Triton interpreter on CPU (the GPU runs the Gluon kernel compiled: test_kernels_gpu.py)",
+)
+
+DELTA = reference.delta_step(28, 28)
+KERNEL_WRITE = witcert.kernels.KVPool.write
+WHATIF = Path(__file__).resolve().parents[1] / "bench" / "whatif_stage1.py"
+
+
+@pytest.fixture
+def run_gluon(monkeypatch):
+    """Decode's stage 1 is the emulated Gluon kernel wherever it covers the call; call the fixture with another
+    version of ``gluon_decode`` (a module) to run that one instead."""
+
+    def use(module=gluon_decode) -> None:
+        monkeypatch.setattr(witcert.kernels, "gluon_decode", emulated(module))
+        monkeypatch.setattr(attention, "_runs_gluon", lambda q, pool, kv_indices: attention.gluon_covers(q.dtype, pool))
+
+    use()
+
+    # Pools are written by the reference (bit-identical to the write kernel, whose contract tests are in
+    # test_kernels_contract.py): in the interpreter the write kernel's NaN-propagating maximum is a reduction in
+    # Python, most of these tests' time. The kernels read TRITON_INTERPRET at each call.
+    def reference_write(self, *args, **kwargs):
+        with monkeypatch.context() as scope:
+            scope.setenv("TRITON_INTERPRET", "0")
+            return KERNEL_WRITE(self, *args, **kwargs)
+
+    monkeypatch.setattr(witcert.kernels.KVPool, "write", reference_write)
+    return use
+
+
+def _query(rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return torch.randn(rows, heads, 128, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "page_size", "dtype", "splits"),
+    [
+        (4, 7, 1, torch.float16, None),
+        (2, 7, 16, torch.bfloat16, 3),
+        (2, 1, 16, torch.float16, 2),
+        (1, 12, 1, torch.float16, 2),
+    ],
+    ids=["qwen-shape-page1", "gqa7-page16-bf16", "mha-page16", "two-head-blocks"],
+)  # fmt: skip
+def test_emulated_gluon_decode_matches_reference(run_gluon, kv_heads, group, page_size, dtype, splits):
+    lengths = [1, 1500, 0, 129]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=kv_heads, page_size=page_size, v_dither=False, dtype=dtype)
+    q = _query(len(lengths), kv_heads * group, dtype=dtype)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+    assert result.path == "gluon-gpu"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+def test_emulated_gluon_without_certificate_gives_the_same_output(run_gluon):
+    pool, indptr, slots = filled_pool([200, 5], kv_heads=2, v_dither=False)
+    q = _query(2, 14)
+    with_cert = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    without = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2, certificate=False)
+    assert without.path == "gluon-gpu" and without.certificate is None
+    assert torch.equal(with_cert.out, without.out) and torch.equal(with_cert.lse, without.lse)
+
+
+def test_emulated_gluon_leaves_skipped_pairs_out_like_the_reference(run_gluon):
+    lengths = [300, 40]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=2, v_dither=False)
+    q = _query(2, 14)
+    skip = torch.rand(pool.num_slots, 2, generator=torch.Generator().manual_seed(11)) < 0.3
+    skip[slots[:128], 1] = True  # row 0, KV head 1: a whole first tile skipped before live tokens
+    skip[slots[300:], 0] = True  # row 1, KV head 0: every token skipped
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2, skip=skip)
+    assert result.path == "gluon-gpu"
+    for row in range(2):
+        row_slots = slots[int(indptr[row]) : int(indptr[row + 1])]
+        expected = oracle(q[row], pool, 1, row_slots, delta=DELTA, skip=skip)
+        assert relative_error(result.out[row], expected.out) <= 1e-5
+        torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
+    assert torch.all(result.out[1, :7] == 0) and torch.all(result.lse[1, :7] == -math.inf)
+    assert torch.all(result.certificate[1, :7] == 0)
+
+
+def test_emulated_gluon_poisons_a_row_with_an_out_of_range_slot(run_gluon):
+    pool, indptr, slots = filled_pool([100, 150], kv_heads=1, v_dither=False)
+    bad = slots.clone()
+    bad[120] = 2**30
+    result = decode_attention(_query(2, 7), pool, 1, indptr, bad, delta_step=DELTA, num_kv_splits=2, validate=False)
+    assert result.path == "gluon-gpu"
+    assert torch.isnan(result.certificate[1]).all() and torch.isfinite(result.certificate[0]).all()
+
+
+def test_emulated_gluon_counts_an_overflowing_radius_where_its_weight_underflows(run_gluon):
+    pool, indptr, slots, q = far_token_case()
+    expected = oracle(q[0], pool, 1, slots, delta=DELTA)
+    assert expected.probs[0, 17] == 0 and torch.isinf(expected.certificate).all()
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
+    assert result.path == "gluon-gpu"
+    assert torch.isposinf(result.certificate[0]).all()
+    assert relative_error(result.out[0], expected.out) < 1e-5
+
+
+@pytest.mark.parametrize("zero_groups", [False, True], ids=["random-keys", "zero-groups"])
+def test_emulated_gluon_gives_an_infinite_certificate_where_the_radius_overflows(run_gluon, zero_groups):
+    pool, indptr, slots, q, sm_scale = overflowing_query_case(zero_groups=zero_groups)
+    result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA)
+    assert result.path == "gluon-gpu"
+    for row in range(2):
+        row_slots = slots[indptr[row] : indptr[row + 1]]
+        expected = oracle(q[row], pool, 1, row_slots, delta=DELTA, sm_scale=sm_scale)
+        assert torch.isposinf(result.certificate[row]).all(), result.certificate[row]
+        tolerance = float32_logit_tolerance(expected, pool.dequantize(1, row_slots, "v"))
+        assert relative_error(result.out[row], expected.out) < tolerance
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_emulated_gluon_poisons_only_the_readers_of_a_nan(run_gluon, side, monkeypatch):
+    """The NaN is written unvalidated by the write kernel (a NaN scale; the reference refuses to quantize it)."""
+    monkeypatch.setattr(witcert.kernels.KVPool, "write", KERNEL_WRITE)
+    assert non_finite_token_readers("cpu", math.nan, side, delta=DELTA) == "gluon-gpu"
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e-6])
+def test_emulated_gluon_rescales_bf16_queries_outside_the_fp16_range(run_gluon, magnitude):
+    pool, indptr, slots = filled_pool([300, 40], kv_heads=1, v_dither=False, dtype=torch.bfloat16)
+    q = (_query(2, 7, dtype=torch.float32) * magnitude).to(torch.bfloat16)
+    sm_scale = 1.0 / (magnitude * math.sqrt(128))
+    result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA, num_kv_splits=2)
+    assert result.path == "gluon-gpu"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA, sm_scale=sm_scale)
+
+
+def _whatif(name: str, tmp_path: Path):
+    """bench/whatif_stage1.py's ``name`` applied to the Gluon stage 1, as a module."""
+    spec = importlib.util.spec_from_file_location("whatif_stage1", WHATIF)
+    whatif = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(whatif)
+    path = tmp_path / f"stage1_{name}.py"
+    path.write_text(whatif.variant(name, whatif.SOURCE.read_text()))
+    spec = importlib.util.spec_from_file_location(f"stage1_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _whatif_decode(run_gluon, name: str, tmp_path: Path) -> None:
+    run_gluon(_whatif(name, tmp_path))
+    lengths = [400, 129]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=1, v_dither=False)
+    q = _query(len(lengths), 7)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    assert result.path == "gluon-gpu"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+@pytest.mark.parametrize("name", ["qshared", "nobranch", "qkahead", "pipelined", "threadarg"])
+def test_whatifs_that_keep_the_contract_match_the_reference(run_gluon, name, tmp_path):
+    """Code changes timed as what-ifs compute what the kernel does, before any GPU time is spent on them."""
+    _whatif_decode(run_gluon, name, tmp_path)
+
+
+@pytest.mark.parametrize(("name", "message"), [("halfpv", "row 0"), ("blockradius", "not close")])
+def test_whatifs_that_change_the_contract_are_told_apart(run_gluon, name, message, tmp_path):
+    """A half-precision output (``halfpv``: the output check fails) and one radius per 32 tokens
+    (``blockradius``: the certificate check fails) differ from the reference, and the emulation sees it."""
+    with pytest.raises(AssertionError, match=message):
+        _whatif_decode(run_gluon, name, tmp_path)
