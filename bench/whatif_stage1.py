@@ -4,9 +4,10 @@ Each variant edits ``kernels/gluon_decode.py``'s text and writes the result to `
 the real kernel in one run with ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
-(``qshared``, ``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does, but
-only the GPU contract tests can show it (Gluon has no interpreter: ``bench/device_session.sh`` runs them on
-``qkahead``). None runs outside a benchmark:
+(``qshared``, ``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does: CI runs
+each emulated in Triton's interpreter against the reference (``tests/test_gluon_emulated.py``, which also sees
+``halfpv`` and ``blockradius`` fail), and ``bench/device_session.sh whatif_tests NAME`` runs the GPU contract
+tests on one compiled. None runs outside a benchmark:
 
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);

@@ -34,8 +34,9 @@ partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and b
 head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest, no
 outlier channels, fewer than 2**29 (slot, KV head) rows (``supports`` says; everything else runs the Triton
 kernel); 64-bit code offsets for pools of 2**31 code bytes (``OFFSETS_64``). Compiled on the GPU only:
-Gluon has no interpreter, so the contract tests run it on the H200, and CI checks its compiled token loop
-(``tests/test_kernels_sass.py``).
+Gluon has no interpreter, so the contract tests run it compiled on the H200; CI runs it in Triton's interpreter
+with its layouts dropped and its asm blocks emulated (``tests/gluon_emulation.py``, whose emulation of the
+operand asm is checked against the PTX text), and checks its compiled token loop (``tests/test_kernels_sass.py``).
 """
 
 from __future__ import annotations

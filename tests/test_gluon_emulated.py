@@ -16,7 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gluon_emulation import emulated  # noqa: E402
+import numpy as np  # noqa: E402
+import ptx_subset  # noqa: E402
+from gluon_emulation import _neg_codes, _v_pairs, emulated  # noqa: E402
 from kernel_cases import (  # noqa: E402
     assert_matches_oracle,
     far_token_case,
@@ -199,3 +201,48 @@ def test_whatifs_that_change_the_contract_are_told_apart(run_gluon, name, messag
     (``blockradius``: the certificate check fails) differ from the reference, and the emulation sees it."""
     with pytest.raises(AssertionError, match=message):
         _whatif_decode(run_gluon, name, tmp_path)
+
+
+# --- the emulation's asm blocks against their PTX ------------------------------------------------------------
+
+
+def test_neg_codes_ptx_gives_minus_each_stored_code_as_emulated():
+    """Every stored byte in each of the four positions of a word: element i of the two f16x2 out is ``-code``
+    of byte i, as ``gluon_emulation._neg_codes`` computes."""
+    asm = gluon_decode._neg_codes.fn.__code__.co_consts
+    text = next(c for c in asm if isinstance(c, str) and "prmt" in c)
+    for base in range(256):
+        stored = np.array([(base + 67 * i) % 256 for i in range(4)], dtype=np.uint8)
+        out = ptx_subset.run(text, {"$2": int(stored.view(np.uint32)[0])})
+        values = np.concatenate([ptx_subset.halves(out["$0"]), ptx_subset.halves(out["$1"])])
+        np.testing.assert_array_equal(values, _neg_codes(stored).astype(np.float64))
+
+
+def test_v_pairs_ptx_matches_the_emulation_in_the_layouts_register_order():
+    """The pairing asm on two tokens of four channels: its eight (hi, lo) outputs, placed where ``_V_PAIRS`` puts
+    a thread's eight registers (bits: channel 0, channel 1, token 0), equal ``gluon_emulation._v_pairs``; and
+    ``hi + lo = s * code`` exactly, for scales up to 511.75 (``|s code| <= 65504``) including subnormal ones."""
+    registers = [basis[1:] for basis in gluon_decode._V_PAIRS.value.reg_bases[:3]]
+    assert registers == [[0, 1], [0, 2], [1, 0]]  # [token, channel] of register bits 0, 1, 2
+    text = next(c for c in gluon_decode._v_pairs.fn.__code__.co_consts if isinstance(c, str) and "prmt" in c)
+    generator = np.random.default_rng(5)
+    for trial in range(2000):
+        codes = generator.integers(0, 256, size=(2, 4), dtype=np.uint8)  # [token, channel], stored bytes
+        # Every fourth trial: the smallest subnormal scale and the largest subnormal one.
+        scale_bits = np.array([1, 0x3FF], dtype=np.uint16)
+        if trial % 4:
+            scale_bits = generator.integers(1, 0x5FFF, size=2, dtype=np.uint16)
+        scales = scale_bits.view(np.float16)
+        # Element i of the asm's eight is register i: token i // 4, channel i % 4.
+        inputs = {"$8": int(codes[0].view(np.uint32)[0]), "$9": int(codes[1].view(np.uint32)[0])}
+        for k in range(4):
+            inputs[f"${10 + k}"] = ptx_subset.word(np.full(2, scales[k // 2], dtype=np.float64))
+        out = ptx_subset.run(text, inputs)
+        hi = np.concatenate([ptx_subset.halves(out[f"${k}"]) for k in range(4)]).reshape(2, 4)
+        lo = np.concatenate([ptx_subset.halves(out[f"${4 + k}"]) for k in range(4)]).reshape(2, 4)
+        expected_hi, expected_lo = _v_pairs(codes[None], np.repeat(scales[:, None], 4, axis=1)[None])
+        np.testing.assert_array_equal(hi, expected_hi[0].astype(np.float64))
+        np.testing.assert_array_equal(lo, expected_lo[0].astype(np.float64))
+        # Output element i is token i % 2, channel i // 2 (its register i is token i // 4, channel i % 4).
+        source = (codes.astype(np.float64) - 128.0) * scales.astype(np.float64)[:, None]
+        np.testing.assert_array_equal((hi + lo).reshape(-1), source.T.reshape(-1))

@@ -1,13 +1,12 @@
 """The Gluon stage 1 compiles for sm_90 on a machine without a GPU, with its token loop as designed.
 
-Gluon has no interpreter, so CI cannot run it (its contract tests run on the H200: ``pytest -m gpu``);
-what CI can check is its SASS: codes and scales reach shared memory only by asynchronous copies, one
-tile ahead (no register-to-shared store), the warps meet at the four barriers the membar analysis puts
-around those copies and nowhere else, its tensor-core work is the expected count of ``mma.sync``, and its
-values fit the register cap (no spill without the certificate, a few with it).
-The compile runs in a fresh process with ``TRITON_INTERPRET=0``: this test session interprets Triton's
-library functions, which a compiled Gluon kernel cannot call.
-"""
+Gluon has no interpreter: CI runs its algorithm emulated in Triton's (``test_gluon_emulated.py``), the H200 runs it
+compiled (``pytest -m gpu``); what CI can check of the compiled kernel is its SASS: codes and scales reach shared
+memory only by asynchronous copies, one tile ahead (no register-to-shared store), the warps meet at the four
+barriers the membar analysis puts around those copies and nowhere else, its tensor-core work is the expected count
+of ``mma.sync``, and its values fit the register cap (no spill without the certificate, a few with it). The compile
+runs in a fresh process with ``TRITON_INTERPRET=0``: this test session interprets Triton's library functions, which
+a compiled Gluon kernel cannot call."""
 
 from __future__ import annotations
 
