@@ -169,129 +169,93 @@ def _qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums):
 
 
 """
-_QKAHEAD_LOOP = """\
-    # what-if qkahead: QK one tile ahead of the softmax. Iteration i computes tile i + 1's logits first, then
-    # tile i's softmax, PV and certificate, so that the MMAs' and reductions' latencies of one tile overlap
-    # the other's work. K codes are double-buffered (tile i's QK ran one iteration earlier) and K scales
-    # triple-buffered (the certificate reads tile i's while tile i + 1's are read and tile i + 2's copied).
-    # Commit order: K(0), K(1), V(0), then per iteration K(i + 2), V(i + 1).
-    k_tiles = (
-        gl.allocate_shared_memory(gl.uint8, [2, 4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [2, 4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [2, 4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [2, 4, 32, 32], _ROW_MAJOR),
-    )
-    v_tiles = (
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
-    )
-    k_scales = gl.allocate_shared_memory(gl.float16, [3, BLOCK_N, 4], _ROW_MAJOR_2D)
-    v_scales = gl.allocate_shared_memory(gl.float16, [8, 16, 4], _ROW_MAJOR)
-    tok_ks = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _K_SCALES_COPY))
-    groups_ks = gl.arange(0, 4, layout=gl.SliceLayout(0, _K_SCALES_COPY))[None, :]
-    vs_l: gl.constexpr = gl.SliceLayout(2, _V_SCALES_COPY)
-    half_warp = gl.arange(0, 8, layout=gl.SliceLayout(1, vs_l))[:, None]
-    tok_vs = (
-        (half_warp % 4) * TOKENS + (half_warp // 4) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, vs_l))[None, :]
-    )
-    groups_vs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
-    slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
-    first_base = _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)
-    _copy_k(_k_set(k_tiles, 0), KCodes, first_base, lo + tok_t, hi, OFFSETS_64)
-    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)
-    _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)
-    async_copy.commit_group()
-    next_slots = gl.load(KvIndices + kv_start + gl.minimum(lo + BLOCK_N + tok_t, hi - 1))
-    next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
-    _copy_k(_k_set(k_tiles, 1), KCodes, next_base, lo + BLOCK_N + tok_t, hi, OFFSETS_64)
-    rows = _token_base(KvIndices, kv_start, lo + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)
-    _copy_scales(k_scales.index(1), KScales, rows, lo + BLOCK_N + tok_ks, hi, groups_ks)
-    async_copy.commit_group()
-    v_bases = (
-        _token_base(KvIndices, kv_start, lo + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
-        _token_base(KvIndices, kv_start, lo + 16 + tok_v, hi, num_slots, NUM_KV_HEADS, kv_head),
-    )
-    _copy_v(v_tiles, VCodes, v_bases, lo + tok_v, hi, OFFSETS_64)
-    rows = _token_base(KvIndices, kv_start, lo + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head)
-    _copy_scales(v_scales, VScales, rows, lo + tok_vs, hi, groups_vs)
-    async_copy.commit_group()
-    async_copy.wait_group(2)  # K(0)
-    next_logits = _qk_tile(_k_set(k_tiles, 0), k_scales.index(0), q_ops, q_alpha_sums)
-    k_stage = 0
-    s_stage = 0
-    for start in range(lo, hi, BLOCK_N):
-        offs = start + tok_t
-        in_split = offs < hi
-        raw_logits = next_logits
-        # Tile i + 2's slots (its K copies, after this iteration's QK) and tile i + 1's V rows.
-        ahead_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + 2 * BLOCK_N, hi - 1))
-        ahead_base = _slot_row(ahead_slots, num_slots, NUM_KV_HEADS, kv_head)
-        next_v = start + BLOCK_N + tok_v
-        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
-        v_halves = gl.split(gl.permute(gl.reshape(next_base, [4, 2, 16]), [0, 2, 1]))
-        next_v_bases = (gl.convert_layout(v_halves[0], v_tok_l), gl.convert_layout(v_halves[1], v_tok_l))
-        ahead_k_scale_rows = _token_base(
-            KvIndices, kv_start, start + 2 * BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head
-        )
-        next_v_scale_rows = _token_base(
-            KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head
-        )
-        slot_max = gl.maximum(slot_max, _thread_max(slots.to(gl.uint32)))
-        token_ok = in_split
-        safe_slots = gl.minimum(slots.to(gl.uint32), max_slot)
-        if HAS_SKIP:
-            base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head
-            token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
-
-        next_k = 1 - k_stage
-        next_s = gl.where(s_stage == 2, 0, s_stage + 1)
-        ahead_s = gl.where(next_s == 2, 0, next_s + 1)
-        async_copy.wait_group(1)  # K(i + 1)
-        next_logits = _qk_tile(_k_set(k_tiles, next_k), k_scales.index(next_s), q_ops, q_alpha_sums)
-        _copy_k(_k_set(k_tiles, k_stage), KCodes, ahead_base, offs + 2 * BLOCK_N, hi, OFFSETS_64)
-        _copy_scales(
-            k_scales.index(ahead_s), KScales, ahead_k_scale_rows, start + 2 * BLOCK_N + tok_ks, hi, groups_ks
-        )
-        async_copy.commit_group()
-        tile_scales = k_scales.index(s_stage)
-        logits = gl.where(token_ok[:, :, None], raw_logits * logit_scale, -_FP32_INF)
-
-        tile_max = gl.max(logits, axis=1)
-        new_max = gl.maximum(running_max, tile_max)
-        shift = gl.where(new_max == -_FP32_INF, 0.0, new_max)
-        alpha = _exp2(running_max - shift)
-        weights = _exp2(logits - shift[:, None, :])
-        rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
-        running_sum = running_sum * rest_alpha + _thread_sum(weights)
-
-        halves = gl.permute(gl.reshape(weights * _P_SCALE, [4, 2, 16, 8]), [0, 2, 3, 1])
-        first, second = gl.split(halves)
-        acc0 = _rescaled(acc0, alpha[:, None, :].broadcast_to(4, 64, 8))
-        acc1 = _rescaled(acc1, alpha[:, None, :].broadcast_to(4, 64, 8))
-        async_copy.wait_group(1)  # V(i)
-        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
-        acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
-        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)
-        _copy_scales(v_scales, VScales, next_v_scale_rows, start + BLOCK_N + tok_vs, hi, groups_vs)
-        async_copy.commit_group()
-
-"""
 _QKAHEAD = [
     ("@gluon.jit\ndef _thread_sum(x):\n", _QKAHEAD_HELPERS + "@gluon.jit\ndef _thread_sum(x):\n"),
+    # K's codes in two stages, its scales in three.
+    (
+        "    k_tiles = (\n" + "        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),\n" * 4 + "    )\n",
+        "    k_tiles = (\n"
+        + "        gl.allocate_shared_memory(gl.uint8, [2, 4, 32, 32], _ROW_MAJOR),\n" * 4
+        + "    )\n",
+    ),
+    (
+        "    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _ROW_MAJOR_2D)\n",
+        "    k_scales = gl.allocate_shared_memory(gl.float16, [3, BLOCK_N, 4], _ROW_MAJOR_2D)\n",
+    ),
+    # The prologue copies K(0) and K(1), then V(0), and computes tile 0's logits.
+    (
+        "    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)\n"
+        "    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)\n"
+        "    _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)\n"
+        "    async_copy.commit_group()\n",
+        "    first_base = _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)\n"
+        "    _copy_k(_k_set(k_tiles, 0), KCodes, first_base, lo + tok_t, hi, OFFSETS_64)\n"
+        "    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)\n"
+        "    _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)\n"
+        "    async_copy.commit_group()\n"
+        "    next_slots = gl.load(KvIndices + kv_start + gl.minimum(lo + BLOCK_N + tok_t, hi - 1))\n"
+        "    next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)\n"
+        "    _copy_k(_k_set(k_tiles, 1), KCodes, next_base, lo + BLOCK_N + tok_t, hi, OFFSETS_64)\n"
+        "    rows = _token_base(KvIndices, kv_start, lo + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)\n"
+        "    _copy_scales(k_scales.index(1), KScales, rows, lo + BLOCK_N + tok_ks, hi, groups_ks)\n"
+        "    async_copy.commit_group()\n",
+    ),
+    (
+        "    stage = 0\n    for start in range(lo, hi, BLOCK_N):\n",
+        "    # what-if qkahead: iteration i computes tile i + 1's logits first, then tile i's softmax, PV and\n"
+        "    # certificate. Commits: K(0), K(1), V(0), then per iteration K(i + 2), V(i + 1).\n"
+        "    async_copy.wait_group(2)  # K(0)\n"
+        "    next_logits = _qk_tile(_k_set(k_tiles, 0), k_scales.index(0), q_ops, q_alpha_sums)\n"
+        "    k_stage = 0\n"
+        "    s_stage = 0\n"
+        "    for start in range(lo, hi, BLOCK_N):\n",
+    ),
+    # Tile i + 2's slots for its K copies; tile i + 1's (loaded one iteration ago) give V's rows.
+    (
+        "        # The next tile's rows, for its copies (loaded now, used after this tile's QK and PV).\n"
+        "        next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))\n",
+        "        raw_logits = next_logits\n"
+        "        ahead_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + 2 * BLOCK_N, hi - 1))\n"
+        "        ahead_base = _slot_row(ahead_slots, num_slots, NUM_KV_HEADS, kv_head)\n",
+    ),
+    (
+        "        next_k_scale_rows = _token_base(\n"
+        "            KvIndices, kv_start, start + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head\n"
+        "        )\n",
+        "        ahead_k_scale_rows = _token_base(\n"
+        "            KvIndices, kv_start, start + 2 * BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head\n"
+        "        )\n",
+    ),
+    (
+        "        async_copy.wait_group(1)  # this tile's K\n"
+        "        tile_scales = k_scales.index(stage)\n"
+        "        group_scales = _k_group_scales(tile_scales)\n"
+        "        logits = gl.zeros([4, 32, 8], gl.float32, _MMA)\n"
+        "        for g in gl.static_range(4):\n"
+        "            logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g)\n"
+        "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n"
+        "        _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, "
+        "groups_ks)\n"
+        "        async_copy.commit_group()\n"
+        "        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)\n",
+        "        next_k = 1 - k_stage\n"
+        "        next_s = (s_stage + 1) % 3\n"
+        "        ahead_s = (s_stage + 2) % 3\n"
+        "        async_copy.wait_group(1)  # K(i + 1)\n"
+        "        next_logits = _qk_tile(_k_set(k_tiles, next_k), k_scales.index(next_s), q_ops, q_alpha_sums)\n"
+        "        _copy_k(_k_set(k_tiles, k_stage), KCodes, ahead_base, offs + 2 * BLOCK_N, hi, OFFSETS_64)\n"
+        "        ahead_tokens = start + 2 * BLOCK_N + tok_ks\n"
+        "        _copy_scales(k_scales.index(ahead_s), KScales, ahead_k_scale_rows, ahead_tokens, hi, groups_ks)\n"
+        "        async_copy.commit_group()\n"
+        "        tile_scales = k_scales.index(s_stage)\n"
+        "        logits = gl.where(token_ok[:, :, None], raw_logits * logit_scale, -_FP32_INF)\n",
+    ),
     (
         "        slots = next_slots\n        stage = 1 - stage\n",
         "        slots = next_slots\n        next_slots = ahead_slots\n"
         "        k_stage = next_k\n        s_stage = next_s\n",
     ),
 ]
-# The loop up to the certificate, replaced by _QKAHEAD_LOOP.
-_QKAHEAD_SPAN = (
-    "    # Codes in shared memory, one tile ahead: tile i + 1's K is copied while tile i's softmax, PV and\n",
-    "        # The certificate after PV, so that none of V's registers is live through it.\n",
-)
-
 _THREADARG_INIT = """\
     # what-if threadarg: each thread holds apart its own running argmax (per head, the largest logit among
     # its tokens so far, in base-2 units) with that token's u and g; its rest sums take every other token.
@@ -404,7 +368,6 @@ def variant(name: str, text: str) -> str:
         for first, after, new in _THREADARG_SPANS:
             text = _replace_span(text, first, after, new)
     if name in ("qkahead", "pipelined"):
-        text = _replace_span(text, *_QKAHEAD_SPAN, _QKAHEAD_LOOP)
         for old, new in _QKAHEAD:
             text = _replace(text, old, new)
     return text

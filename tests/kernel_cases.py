@@ -6,9 +6,19 @@ import bisect
 import dataclasses
 import math
 
+import pytest
 import torch
 
-from witcert.kernels import KVPool, decode_attention, extend_attention, reference
+from witcert.kernels import KVPool, decode_attention, extend_attention, reference, select_path
+
+
+def interpreter_only(gpu_tests: str) -> pytest.MarkDecorator:
+    """The mark of a module that runs kernels in Triton's interpreter on CPU; ``gpu_tests`` says where the same
+    kernels run compiled."""
+    return pytest.mark.skipif(
+        torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
+        reason=f"runs the Triton interpreter on CPU ({gpu_tests})",
+    )
 
 
 def paged_slots(total_tokens: int, num_slots: int, page_size: int, generator: torch.Generator) -> torch.Tensor:

@@ -24,6 +24,7 @@ from kernel_cases import (  # noqa: E402
     far_token_case,
     filled_pool,
     float32_logit_tolerance,
+    interpreter_only,
     non_finite_token_readers,
     oracle,
     overflowing_query_case,
@@ -32,12 +33,8 @@ from kernel_cases import (  # noqa: E402
 
 import witcert.kernels  # noqa: E402
 from witcert.kernels import attention, decode_attention, gluon_decode, reference  # noqa: E402
-from witcert.kernels.backend import select_path  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
-    reason="runs the Triton interpreter on CPU (the GPU runs the Gluon kernel compiled: test_kernels_gpu.py)",
-)
+pytestmark = interpreter_only("the GPU runs the Gluon kernel compiled: test_kernels_gpu.py")
 
 DELTA = reference.delta_step(28, 28)
 KERNEL_WRITE = witcert.kernels.KVPool.write

@@ -20,6 +20,7 @@ from kernel_cases import (  # noqa: E402
     far_token_case,
     filled_pool,
     float32_logit_tolerance,
+    interpreter_only,
     non_finite_token_readers,
     oracle,
     overflowing_extend_certificates,
@@ -36,15 +37,11 @@ from witcert.kernels import (  # noqa: E402
     decode_attention_fp16,
     extend_attention,
     reference,
-    select_path,
 )
 from witcert.kernels.attention import wave_splits  # noqa: E402
 from witcert.kernels.pool import decode_codes, encode_codes  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or select_path(torch.device("cpu")) != "triton-interpreter",
-    reason="runs the Triton interpreter on CPU (GPU runs are in test_kernels_gpu.py)",
-)
+pytestmark = interpreter_only("GPU runs are in test_kernels_gpu.py")
 
 DELTA = reference.delta_step(28, 28)
 
