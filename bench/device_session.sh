@@ -7,7 +7,8 @@
 #   bash bench/device_session.sh memory         # where the time goes: the loop's copies alone, reads served by the L2
 #   bash bench/device_session.sh whatifs NAME.. # code changes that keep the contract, paired with the real kernel
 #                                               # (bench/whatif_stage1.py's names; about 2 minutes each, so two or
-#                                               # three a call: nobranch qkahead, then pipelined threadarg)
+#                                               # three a call: nobranch qkahead, then pipelined threadarg,
+#                                               # then qkahead+threadarg)
 #   bash bench/device_session.sh whatif_tests NAME  # the GPU tests of the Gluon stage 1 on a what-if that keeps
 #                                               # the contract (before promoting it into kernels/gluon_decode.py)
 #   bash bench/device_session.sh caps           # the Gluon register caps again (4 programs per SM at 128), and qshared's

@@ -348,7 +348,12 @@ def _replace_span(text: str, first: str, after: str, new: str = "") -> str:
 
 
 def variant(name: str, text: str) -> str:
-    """``text`` (the Gluon stage 1's source) with the what-if ``name`` applied."""
+    """``text`` (the Gluon stage 1's source) with the what-if ``name`` applied; ``a+b`` applies ``a``, then
+    ``b`` (each must leave the other's anchors in place, or the second stops with an error naming it)."""
+    if "+" in name:
+        for part in name.split("+"):
+            text = variant(part, text)
+        return text
     if name in ("blockradius", "all"):
         for old, new in _BLOCKRADIUS:
             text = _replace(text, old, new)
@@ -378,9 +383,11 @@ VARIANTS = ("blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variant", choices=VARIANTS)
+    parser.add_argument("variant", help=f"one of {', '.join(VARIANTS)}, or several joined by + (qkahead+threadarg)")
     parser.add_argument("--output", type=Path, required=True, help="where to write the edited stage 1")
     args = parser.parse_args()
+    if unknown := [part for part in args.variant.split("+") if part not in VARIANTS]:
+        parser.error(f"unknown what-if {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     args.output.write_text(variant(args.variant, SOURCE.read_text()))
     print(f"wrote {args.output} ({args.variant}); time it with bench/bench_kernels.py --baseline-stage1 {args.output}")
 

@@ -186,7 +186,7 @@ def _whatif_decode(run_gluon, name: str, tmp_path: Path) -> None:
     assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 
 
-@pytest.mark.parametrize("name", ["qshared", "nobranch", "qkahead", "pipelined", "threadarg"])
+@pytest.mark.parametrize("name", ["qshared", "nobranch", "qkahead", "pipelined", "threadarg", "qkahead+threadarg"])
 def test_whatifs_that_keep_the_contract_match_the_reference(run_gluon, name, tmp_path):
     """Code changes timed as what-ifs compute what the kernel does, before any GPU time is spent on them."""
     _whatif_decode(run_gluon, name, tmp_path)
