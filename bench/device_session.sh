@@ -12,6 +12,8 @@
 #   bash bench/device_session.sh whatif_tests NAME  # the GPU tests of the Gluon stage 1 on a what-if that keeps
 #                                               # the contract (before promoting it into kernels/gluon_decode.py)
 #   bash bench/device_session.sh caps           # the Gluon register caps again (4 programs per SM at 128), and qshared's
+#   bash bench/device_session.sh profile [NAME] # ncu's issue, scheduler and stall figures at B = 32, S = 16k, for the
+#                                               # kernel or a what-if (about 2 minutes)
 #   bash bench/device_session.sh full           # the whole table of docs/KERNELS.md, V rounded to nearest
 #
 # Every stage installs the package first (a fresh machine has only the checkout) and stops at the first error.
@@ -23,7 +25,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="validate table memory whatifs whatif_tests caps full"
+stages="validate table memory whatifs whatif_tests caps profile full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -68,6 +70,20 @@ caps)
     python3 bench/bench_kernels.py "${caps[@]}" --output "$out/sweep_caps.json"
     python3 bench/whatif_stage1.py qshared --output kernels/gluon_decode.py  # this call's copy only
     python3 bench/bench_kernels.py "${caps[@]}" --output "$out/sweep_caps_qshared.json"
+    ;;
+profile)
+    # What the certificate kernel waits on (docs/KERNELS.md, session 15: latency, not instructions or bytes).
+    what="${2:-kernel}"
+    stage1=()
+    if [[ $# -ge 2 ]]; then
+        python3 bench/whatif_stage1.py "$2" --output "$out/stage1_$2.py"
+        stage1=(--stage1-file "$out/stage1_$2.py")
+    fi
+    ncu --clock-control none --kernel-name regex:_decode_stage1 --launch-skip 4 --launch-count 1 \
+        --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section Occupancy \
+        python3 bench/profile_decode.py --batch 32 --context 16384 --certificate on ${stage1[@]+"${stage1[@]}"} \
+        > "$out/ncu_$what.txt" 2>&1
+    tail -60 "$out/ncu_$what.txt"
     ;;
 full)
     python3 bench/bench_kernels.py --v-dither off --output "$out/kernels_full.json"

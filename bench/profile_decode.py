@@ -8,15 +8,19 @@ Nsight Compute's warp-state sampling says where a kernel's warps wait, per SASS 
     ncu -i stage1.ncu-rep --page source --csv --print-source sass > stage1_sass.csv
 
 The shape is Qwen2.5-7B's (28 query heads, 4 KV heads, head_dim 128), one layer, K dithered and V
-rounded to nearest, as in the benchmark.
+rounded to nearest, as in the benchmark. ``--stage1-file FILE`` profiles another version of
+``kernels/gluon_decode.py`` (a ``bench/whatif_stage1.py`` output) in its place.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
+from bench_kernels import load_stage1
 
+import witcert.kernels
 from witcert.kernels import KVPool, decode_attention
 from witcert.kernels.attention import LAUNCH
 
@@ -31,9 +35,12 @@ def main() -> None:
     parser.add_argument("--stage1", choices=["gluon", "triton"], default="gluon", help="which stage 1 runs")
     parser.add_argument("--calls", type=int, default=8, help="decode calls to make (profile one past warm-up)")
     parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (0: none; default: LAUNCH's)")
+    parser.add_argument("--stage1-file", type=Path, metavar="FILE", help="another version of kernels/gluon_decode.py")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
+    if args.stage1_file:
+        witcert.kernels.gluon_decode = load_stage1(args.stage1_file)
 
     tokens = args.batch * args.context
     generator = torch.Generator(device="cuda").manual_seed(0)
