@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         "--kernel", choices=["gluon", "triton", "extend"], default="gluon",
         help="which stage 1 (default gluon; extend: the tiled extend kernel, fp16 or bf16 queries only)",
     )  # fmt: skip
-    parser.add_argument(
-        "--v-dither", action="store_true", help="the dithered-V variant, Triton only (default: V nearest)"
-    )
+    parser.add_argument("--v-dither", action="store_true", help="the dithered-V variant (default: V nearest)")
     parser.add_argument(
         "--offsets-64", action="store_true", help="the variant for pools of 2**31 code bytes or more (64-bit addresses)"
     )
@@ -87,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage1 and args.kernel != "gluon":
         parser.error("--stage1 replaces the Gluon stage 1 (--kernel gluon)")
     gluon_module = load_stage1(args.stage1) if args.stage1 else None
-    if args.v_dither and args.kernel != "triton":
-        parser.error("only the Triton stage 1 has a dithered-V variant (--kernel triton)")
+    if args.v_dither and args.kernel == "extend":
+        parser.error("the tiled extend kernel has no dithered-V variant (--kernel gluon or triton)")
     if args.maxnreg is not None:
         if args.kernel != "gluon":
             parser.error("--maxnreg sets the Gluon stage 1's cap (the Triton one's is LAUNCH.maxnreg)")

@@ -4,6 +4,7 @@
 #
 #   bash bench/device_session.sh validate       # install, then the GPU contract tests (about 5 minutes)
 #   bash bench/device_session.sh table          # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
+#   bash bench/device_session.sh vdither        # the same with V dithered: Gluon (new in session 15) against Triton
 #   bash bench/device_session.sh memory         # where the time goes: the loop's copies alone, reads served by the L2
 #   bash bench/device_session.sh whatifs NAME.. # code changes that keep the contract, paired with the real kernel
 #                                               # (bench/whatif_stage1.py's names; about 2 minutes each, so two or
@@ -25,7 +26,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="validate table memory whatifs whatif_tests caps profile full"
+stages="validate table vdither memory whatifs whatif_tests caps profile full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -39,6 +40,10 @@ validate)
 table)
     python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" \
         --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_table.json"
+    ;;
+vdither)
+    python3 bench/bench_kernels.py --v-dither on "${sizes[@]}" \
+        --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_vdither.json"
     ;;
 memory)
     # Memory alone: the Gluon loop with its copies and nothing else, against the real kernel in one run.

@@ -31,7 +31,8 @@ to float32 sums (``_neg_codes``); the softmax scale is negated to match, and the
 logits in base-2 units (one ``ex2`` per weight). The output uses the exact ``v_hi +
 v_lo`` split of ``s * code`` with ``2**14 p`` split into ``p_hi + p_mid``. The outputs are the stage-1
 partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and bf16 queries (bf16 scaled per
-head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest, no
+head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest or
+dithered (``V_DITHER``: the output less ``alpha_c W_g + Z_g``, ``_dither_sums``), no
 outlier channels, fewer than 2**29 (slot, KV head) rows (``supports`` says; everything else runs the Triton
 kernel); 64-bit code offsets for pools of 2**31 code bytes (``OFFSETS_64``). Compiled on the GPU only:
 Gluon has no interpreter, so the contract tests run it compiled on the H200; CI runs it in Triton's interpreter
@@ -46,7 +47,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
-from witcert.kernels.triton_kernels import g_of, inf_where_nan, mul_nonneg, split_range, weighted
+from witcert.kernels.triton_kernels import (
+    g_of,
+    inf_where_nan,
+    mul_nonneg,
+    slot_dither,
+    slot_word,
+    split_range,
+    weighted,
+)
 
 NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
@@ -119,6 +128,9 @@ _V_PAIRS4 = gl.constexpr(
     )
 )
 _V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
+# A dithered V's scales read once more for the dither's sums, [4 half + warp, token, group], a token's four groups
+# in one thread (as copied).
+_V_SCALES_ROWS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0]))
 # The radius as tf32 MMAs (_radius): operands [warp, token, k] x [warp, k, head], and the K scales read with
 # the tokens and groups of the A operand (token rows 8 apart in registers, the group on the lane's low bits).
 _RADIUS_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 1))
@@ -198,7 +210,6 @@ def supports(
         and head_dim == HEAD_DIM
         and group_size == GROUP_SIZE
         and dither_bits == 8
-        and not v_dither
         and outliers == 0
         and rows * (HEAD_DIM // GROUP_SIZE) < 2**31
     )
@@ -515,6 +526,39 @@ def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
 
 
 @gluon.jit
+def _v_group_scales(v_scales):
+    """A tile's V scales from shared memory (``[4 half + warp, token, group]``, as copied): four ``[warp, token]``
+    fp32 tensors laid out as the logits' rows (token ``16 half + t`` of each warp)."""
+    both = gl.reshape(v_scales.load(_V_SCALES_ROWS).to(gl.float32), [2, 4, 16, 4])
+    both = gl.reshape(gl.permute(both, [1, 0, 2, 3]), [4, 32, 2, 2])
+    even, odd = gl.split(both)  # groups 0, 2 and 1, 3
+    g0, g2 = gl.split(even)
+    g1, g3 = gl.split(odd)
+    return (
+        gl.convert_layout(g0, _TOKEN_ROW),
+        gl.convert_layout(g1, _TOKEN_ROW),
+        gl.convert_layout(g2, _TOKEN_ROW),
+        gl.convert_layout(g3, _TOKEN_ROW),
+    )
+
+
+@gluon.jit
+def _dither_sums(sums, weights, v_scales, beta, rest_alpha):
+    """A dithered V's two sums per (head, group), rescaled to the tile's max and with its tokens added, per thread
+    over its own tokens: ``W_g = sum_t p_t s_{t,g}`` (``sums[g]``) and ``Z_g = sum_t p_t s_{t,g} beta_t``
+    (``sums[4 + g]``). The output subtracts ``alpha_c W_g + Z_g`` (``_store_out``)."""
+    scales = _v_group_scales(v_scales)
+    out = ()
+    for g in gl.static_range(4):
+        scaled = weights * scales[g][:, :, None]
+        out = out + (sums[g] * rest_alpha + _thread_sum(scaled),)
+    for g in gl.static_range(4):
+        scaled = weights * scales[g][:, :, None]
+        out = out + (sums[4 + g] * rest_alpha + _thread_sum(scaled * beta[:, :, None]),)
+    return out
+
+
+@gluon.jit
 def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr):
     """Channel group ``g`` of the tile: one MMA of ``-code`` with q, started from the dither's share
     ``sum(q_g alpha_g)`` (``q_alpha_sums``, per head), so that it computes ``-q_g . (code_g - alpha_g)``; scaled
@@ -555,9 +599,11 @@ def _rescaled_fold(rescaled, tile, fold_row, fold):
 @gluon.jit
 def _store_out(
     PartOut, acc, warp_weight, total, poison, part_heads, split, num_heads, NUM_SPLITS: gl.constexpr,
-    half: gl.constexpr,
+    half: gl.constexpr, V_DITHER: gl.constexpr, v_alpha_ptr, dither_sums,
 ):  # fmt: skip
-    """The four warps' output of one channel half, merged and normalised, into the split's partial row."""
+    """The four warps' output of one channel half, merged and normalised, into the split's partial row; with a
+    dithered V, less ``alpha_c W_g + Z_g`` (``dither_sums``: the four ``W_g``, then the four ``Z_g``, per head;
+    ``v_alpha_ptr``: the KV head's ``alpha``)."""
     out = gl.sum(acc * warp_weight[:, None, :], axis=0)  # [64, 8]
     out_l: gl.constexpr = out.type.layout
     mma_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
@@ -565,9 +611,19 @@ def _store_out(
     # MMA row m of channel half h holds channel 16 (m % 8) + 8 h + m // 8 (_pv_tokens, _relabel_v).
     channels = 16 * (mma_rows % 8) + 8 * half + mma_rows // 8
     total = gl.convert_layout(total, gl.SliceLayout(0, out_l))[None, :]
+    out = out * (1.0 / _P_SCALE)
+    if V_DITHER:
+        group = channels // GROUP_SIZE
+        per_head: gl.constexpr = gl.SliceLayout(0, out_l)
+        weight_sum = gl.zeros([64, 8], gl.float32, out_l)
+        beta_sum = gl.zeros([64, 8], gl.float32, out_l)
+        for g in gl.static_range(4):
+            weight_sum = gl.where(group == g, gl.convert_layout(dither_sums[g], per_head)[None, :], weight_sum)
+            beta_sum = gl.where(group == g, gl.convert_layout(dither_sums[4 + g], per_head)[None, :], beta_sum)
+        out = out - (gl.load(v_alpha_ptr + channels) * weight_sum + beta_sum)
     gl.store(
         PartOut + ((part_heads + heads) * NUM_SPLITS + split) * HEAD_DIM + channels,
-        out * (1.0 / _P_SCALE) / total + poison,
+        out / total + poison,
         mask=heads < num_heads,
     )
 
@@ -580,6 +636,7 @@ def _decode_stage1_gluon(
     VCodes,
     VScales,
     KAlpha,
+    VAlpha,
     KvStart,
     KvLen,
     KvIndices,
@@ -599,9 +656,12 @@ def _decode_stage1_gluon(
     sm_scale,
     log_two_over_delta,
     beta,
+    seed,
+    layer,
     NUM_KV_HEADS: gl.constexpr,
     KV_GROUP: gl.constexpr,
     CERTIFICATE: gl.constexpr,
+    V_DITHER: gl.constexpr,
     HAS_SKIP: gl.constexpr,
     OFFSETS_64: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
@@ -685,6 +745,10 @@ def _decode_stage1_gluon(
     slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
 
     max_slot = (num_slots - 1).to(gl.uint32)
+    if V_DITHER:
+        # A dithered V's sums (_dither_sums) and the counter word 3 of its per-slot Philox call, kv_head | kind << 31.
+        dither_sums = (running_sum,) * 8
+        v_head_word = kv_head.to(gl.uint32) | (1 << 31)
 
     # Codes in shared memory, one tile ahead: tile i + 1's K is copied while tile i's softmax, PV and
     # certificate run, and its V while tile i + 1's QK runs. Copies are committed in the order K(0), V(0),
@@ -783,6 +847,13 @@ def _decode_stage1_gluon(
         async_copy.wait_group(1)  # this tile's V
         acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
         acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
+        if V_DITHER:
+            # beta_t, one Philox call per token in a layout of one token per lane, then to the logits' rows.
+            lane_slots = gl.load(KvIndices + kv_start + gl.minimum(start + tok_ks, hi - 1))
+            lane_slots = gl.minimum(lane_slots.to(gl.uint32), max_slot)
+            v_beta = slot_dither(slot_word(seed, lane_slots, layer, v_head_word), 8)
+            v_beta = gl.convert_layout(gl.reshape(v_beta, [4, TOKENS]), _TOKEN_ROW)
+            dither_sums = _dither_sums(dither_sums, weights, v_scales, v_beta, rest_alpha)
         _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)
         _copy_scales(v_scales, VScales, next_v_scale_rows, start + BLOCK_N + tok_vs, hi, groups_vs)
         async_copy.commit_group()
@@ -829,8 +900,24 @@ def _decode_stage1_gluon(
     slots_ok = row_ok & (gl.max(gl.max(slot_max, axis=1), axis=0) <= max_slot)
     poison = gl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
     part_heads = row * num_q_heads + kv_head * KV_GROUP + first_local
-    _store_out(PartOut, acc0, warp_weight, safe_sum, poison, part_heads, split, KV_GROUP - first_local, NUM_SPLITS, 0)
-    _store_out(PartOut, acc1, warp_weight, safe_sum, poison, part_heads, split, KV_GROUP - first_local, NUM_SPLITS, 1)
+    v_alpha_ptr = VAlpha + kv_head * HEAD_DIM
+    if V_DITHER:
+        # Each thread's sums over its lanes, then over the warps in the split's frame: per group and head.
+        head_sums = ()
+        for i in gl.static_range(8):
+            lanes = gl.convert_layout(gl.sum(dither_sums[i], axis=1), _HEAD_ROW)
+            head_sums = head_sums + (gl.sum(lanes * warp_weight, axis=0),)
+    else:
+        head_sums = ()
+    local_heads = KV_GROUP - first_local
+    _store_out(
+        PartOut, acc0, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 0, V_DITHER,
+        v_alpha_ptr, head_sums,
+    )  # fmt: skip
+    _store_out(
+        PartOut, acc1, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 1, V_DITHER,
+        v_alpha_ptr, head_sums,
+    )  # fmt: skip
     heads_l: gl.constexpr = total.type.layout
     local = first_local + gl.arange(0, 8, layout=heads_l)
     head_ok = local < KV_GROUP

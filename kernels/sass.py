@@ -39,7 +39,7 @@ _SHAPE = dict(
     NUM_KV_HEADS=4, KV_GROUP=7, BLOCK_H=8, HEAD_DIM=128, GROUP_SIZE=32, DITHER_BITS=8, HAS_OUTLIERS=False,
     OUTLIERS_PAD=2, NUM_OUTLIERS=1, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4, INTERPRETED=False,
 )  # fmt: skip
-_GLUON_SHAPE = dict(NUM_KV_HEADS=4, KV_GROUP=7, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4)
+_GLUON_SHAPE = dict(NUM_KV_HEADS=4, KV_GROUP=7, HAS_SKIP=False, OFFSETS_64=False, NUM_SPLITS=4, V_DITHER=False)
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*)")
 _SOURCE = re.compile(r'//## File "(.*)", line (\d+)')
@@ -68,7 +68,7 @@ def compile_cubin(
 
         gluon_decode = gluon_module or gluon_decode
         kernel, source_type = gluon_decode._decode_stage1_gluon, GluonASTSource
-        constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate, OFFSETS_64=offsets_64)
+        constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate, OFFSETS_64=offsets_64, V_DITHER=v_dither)
         cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
         options = {"num_warps": gluon_decode.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
     else:
@@ -171,19 +171,24 @@ def profile(cubin: bytes) -> SassProfile:
 
 def main() -> None:
     """``python -m witcert.kernels.sass KERNEL``: the token loop's opcode counts of both certificate variants,
-    for fp16 and bf16 queries, as JSON keyed ``"<q dtype> <certificate>"``. Run in a fresh process: under
+    for fp16 and bf16 queries, as JSON keyed ``"<q dtype> <certificate>"``, and for the Gluon stage 1 also with
+    a dithered V and fp16 queries (``"fp16 <certificate> vdither"``). Run in a fresh process: under
     ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions are interpreted, and a Gluon kernel cannot
     call them."""
     import json
     import sys
 
     kernel_name = sys.argv[1] if len(sys.argv) > 1 else "gluon"
+    variants = [(q_dtype, certificate, False) for q_dtype in ("fp16", "bf16") for certificate in (True, False)]
+    if kernel_name == "gluon":
+        variants += [("fp16", certificate, True) for certificate in (True, False)]
     counts = {
-        f"{q_dtype} {certificate}": dict(
-            profile(compile_cubin(kernel_name=kernel_name, certificate=certificate, q_dtype=q_dtype)).loop_opcodes
+        f"{q_dtype} {certificate}" + (" vdither" if v_dither else ""): dict(
+            profile(
+                compile_cubin(kernel_name=kernel_name, certificate=certificate, q_dtype=q_dtype, v_dither=v_dither)
+            ).loop_opcodes
         )
-        for q_dtype in ("fp16", "bf16")
-        for certificate in (True, False)
+        for q_dtype, certificate, v_dither in variants
     }
     print(json.dumps(counts))
 

@@ -95,7 +95,7 @@ def channel_dither(seed, call0, layer, head_word, HEADS: tl.constexpr, NCALLS: t
 def slot_word(seed, slots, layer, head_word):
     """Word 0 of each slot's Philox call (the per-slot part), any shape of ``slots``; ``head_word`` broadcasts."""
     c0 = slots.to(tl.uint32)
-    zeros = tl.zeros(slots.shape, tl.int32)
+    zeros = slots.to(tl.int32) * 0  # in slots' layout: the Gluon stage 1 calls this too
     w0, _, _, _ = tl.philox(
         seed, c0, (zeros + _SLOT_PART).to(tl.uint32), (zeros + layer).to(tl.uint32), (zeros + head_word).to(tl.uint32)
     )

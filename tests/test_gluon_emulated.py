@@ -69,18 +69,23 @@ def _query(rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.floa
 
 
 @pytest.mark.parametrize(
-    ("kv_heads", "group", "page_size", "dtype", "splits"),
+    ("kv_heads", "group", "page_size", "dtype", "splits", "v_dither"),
     [
-        (4, 7, 1, torch.float16, None),
-        (2, 7, 16, torch.bfloat16, 3),
-        (2, 1, 16, torch.float16, 2),
-        (1, 12, 1, torch.float16, 2),
+        (4, 7, 1, torch.float16, None, False),
+        (2, 7, 16, torch.bfloat16, 3, False),
+        (2, 1, 16, torch.float16, 2, False),
+        (1, 12, 1, torch.float16, 2, False),
+        (4, 7, 1, torch.float16, None, True),
+        (2, 7, 16, torch.bfloat16, 3, True),
     ],
-    ids=["qwen-shape-page1", "gqa7-page16-bf16", "mha-page16", "two-head-blocks"],
+    ids=[
+        "qwen-shape-page1", "gqa7-page16-bf16", "mha-page16", "two-head-blocks", "qwen-shape-vdither",
+        "gqa7-page16-bf16-vdither",
+    ],
 )  # fmt: skip
-def test_emulated_gluon_decode_matches_reference(run_gluon, kv_heads, group, page_size, dtype, splits):
+def test_emulated_gluon_decode_matches_reference(run_gluon, kv_heads, group, page_size, dtype, splits, v_dither):
     lengths = [1, 1500, 0, 129]
-    pool, indptr, slots = filled_pool(lengths, kv_heads=kv_heads, page_size=page_size, v_dither=False, dtype=dtype)
+    pool, indptr, slots = filled_pool(lengths, kv_heads=kv_heads, page_size=page_size, v_dither=v_dither, dtype=dtype)
     q = _query(len(lengths), kv_heads * group, dtype=dtype)
     result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
     assert result.path == "gluon-gpu"

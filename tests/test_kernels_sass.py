@@ -55,6 +55,20 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
     assert loop.get("HMMA", 0) == 64 + (8 if certificate else 0)
 
 
+@pytest.mark.parametrize("certificate", [True, False], ids=["certificate", "no-certificate"])
+def test_gluon_dithered_v_keeps_the_copies_and_mmas_of_the_token_loop(loop_opcodes, certificate):
+    """A dithered V adds per tile one Philox call per token and the sums ``W_g``, ``Z_g`` (``_dither_sums``),
+    whose layout changes go through shared memory (so stores and barriers of their own); the copies and MMAs
+    stay those of V rounded to nearest, and one more load of slot indices (the tokens' own, for the Philox
+    counters). Spills: none without the certificate; with it, 24 (Triton 3.6) and 33 (3.9) stores a tile in
+    session 15's first version."""
+    loop = loop_opcodes[f"fp16 {certificate} vdither"]
+    assert loop.get("LDGSTS", 0) == 16 + 16 + 1 + 1
+    assert loop.get("HMMA", 0) == 64 + (8 if certificate else 0)
+    assert loop.get("LDG", 0) <= 6
+    assert loop.get("STL", 0) <= (40 if certificate else 0), "the token loop spills to local memory"
+
+
 def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     """Rows and scale offsets stay 32-bit in the Gluon loop (only code byte offsets widen): a pool of 2**29
     (slot, KV head) rows, whose scales' element offsets reach 2**31, goes to the Triton kernel."""
@@ -65,7 +79,19 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     shape = dict(q_dtype=torch.float16, head_dim=128, group_size=32, dither_bits=8, v_dither=False, outliers=0)
     assert gluon_decode.supports(**shape, rows=2**29 - 1)
     assert not gluon_decode.supports(**shape, rows=2**29)
-    assert not gluon_decode.supports(**{**shape, "v_dither": True}, rows=1)
+
+
+def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
+    """Since session 15 the Gluon stage 1 computes a dithered V's output too; 16- and 24-bit dithers and outlier
+    channels stay with the Triton kernel."""
+    import torch
+
+    from witcert.kernels import gluon_decode
+
+    shape = dict(q_dtype=torch.float16, head_dim=128, group_size=32, dither_bits=8, v_dither=True, outliers=0)
+    assert gluon_decode.supports(**shape, rows=1)
+    assert not gluon_decode.supports(**{**shape, "dither_bits": 16}, rows=1)
+    assert not gluon_decode.supports(**{**shape, "outliers": 2}, rows=1)
 
 
 @pytest.mark.parametrize(
