@@ -472,7 +472,13 @@ def _copy_scales(scales, Scales, rows, offs, hi, groups):
 @gluon.jit
 def _k_group_scales(k_scales):
     """A tile's K scales from shared memory: four ``[warp, token]`` fp32 tensors laid out as the logits' rows."""
-    both = gl.reshape(k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 2, 2])
+    return _by_group(gl.reshape(k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 4]))
+
+
+@gluon.jit
+def _by_group(scales):
+    """``[warp, token, group]`` scales -> four ``[warp, token]`` tensors, one per group, in the logits' rows."""
+    both = gl.reshape(scales, [4, 32, 2, 2])
     even, odd = gl.split(both)  # groups 0, 2 and 1, 3
     g0, g2 = gl.split(even)
     g1, g3 = gl.split(odd)
@@ -530,16 +536,7 @@ def _v_group_scales(v_scales):
     """A tile's V scales from shared memory (``[4 half + warp, token, group]``, as copied): four ``[warp, token]``
     fp32 tensors laid out as the logits' rows (token ``16 half + t`` of each warp)."""
     both = gl.reshape(v_scales.load(_V_SCALES_ROWS).to(gl.float32), [2, 4, 16, 4])
-    both = gl.reshape(gl.permute(both, [1, 0, 2, 3]), [4, 32, 2, 2])
-    even, odd = gl.split(both)  # groups 0, 2 and 1, 3
-    g0, g2 = gl.split(even)
-    g1, g3 = gl.split(odd)
-    return (
-        gl.convert_layout(g0, _TOKEN_ROW),
-        gl.convert_layout(g1, _TOKEN_ROW),
-        gl.convert_layout(g2, _TOKEN_ROW),
-        gl.convert_layout(g3, _TOKEN_ROW),
-    )
+    return _by_group(gl.reshape(gl.permute(both, [1, 0, 2, 3]), [4, 32, 4]))
 
 
 @gluon.jit
