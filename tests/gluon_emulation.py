@@ -191,9 +191,9 @@ def emulated(module: types.ModuleType) -> types.SimpleNamespace:
         namespace["g_of"] = lambda u, FAST_EXP=False: g_of(u, False)
     for name, value in vars(module).items():
         if isinstance(value, GluonJITFunction):
-            code = value.fn
+            original = value.fn
             function: Callable = types.FunctionType(
-                code.__code__, namespace, code.__name__, code.__defaults__, code.__closure__
+                original.__code__, namespace, original.__name__, original.__defaults__, original.__closure__
             )
             namespace[name] = InterpretedFunction(function)
     return types.SimpleNamespace(
