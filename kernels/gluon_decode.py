@@ -128,9 +128,28 @@ _V_PAIRS4 = gl.constexpr(
     )
 )
 _V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
-# A dithered V's scales read once more for the dither's sums, [4 half + warp, token, group], a token's four groups
-# in one thread (as copied).
-_V_SCALES_ROWS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0]))
+# A dithered V's scales read once more for the dither's sums, [4 half + warp, token, group], placed as the logits'
+# rows hold token 32 warp + 16 half + t (_K_SCALES for V's buffer), so that no layout change follows the read.
+_V_SCALES_ROWS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [4, 0, 0]],
+        lane_bases=[[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]],
+        block_bases=[],
+        shape=[8, 16, 4],
+    )
+)
+# A dithered V's per-slot dither, one token per lane: [warp, token], lane bits 0-1 the token's bits 3-4, so that
+# the four lanes of a quad hold the four tokens each of them needs in the logits' rows.
+_SLOT_LANES = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[],
+        lane_bases=[[0, 8], [0, 16], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[1, 0], [2, 0]],
+        block_bases=[],
+        shape=[4, 32],
+    )
+)
 # The radius as tf32 MMAs (_radius): operands [warp, token, k] x [warp, k, head], and the K scales read with
 # the tokens and groups of the A operand (token rows 8 apart in registers, the group on the lane's low bits).
 _RADIUS_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 1))
@@ -746,6 +765,10 @@ def _decode_stage1_gluon(
         # A dithered V's sums (_dither_sums) and the counter word 3 of its per-slot Philox call, kv_head | kind << 31.
         dither_sums = (running_sum,) * 8
         v_head_word = kv_head.to(gl.uint32) | (1 << 31)
+        tok_lanes = (
+            gl.arange(0, 4, layout=gl.SliceLayout(1, _SLOT_LANES))[:, None] * TOKENS
+            + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _SLOT_LANES))[None, :]
+        )
 
     # Codes in shared memory, one tile ahead: tile i + 1's K is copied while tile i's softmax, PV and
     # certificate run, and its V while tile i + 1's QK runs. Copies are committed in the order K(0), V(0),
@@ -846,10 +869,10 @@ def _decode_stage1_gluon(
         acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
         if V_DITHER:
             # beta_t, one Philox call per token in a layout of one token per lane, then to the logits' rows.
-            lane_slots = gl.load(KvIndices + kv_start + gl.minimum(start + tok_ks, hi - 1))
+            lane_slots = gl.load(KvIndices + kv_start + gl.minimum(start + tok_lanes, hi - 1))
             lane_slots = gl.minimum(lane_slots.to(gl.uint32), max_slot)
             v_beta = slot_dither(slot_word(seed, lane_slots, layer, v_head_word), 8)
-            v_beta = gl.convert_layout(gl.reshape(v_beta, [4, TOKENS]), _TOKEN_ROW)
+            v_beta = gl.convert_layout(v_beta, _TOKEN_ROW)
             dither_sums = _dither_sums(dither_sums, weights, v_scales, v_beta, rest_alpha)
         _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)
         _copy_scales(v_scales, VScales, next_v_scale_rows, start + BLOCK_N + tok_vs, hi, groups_vs)
