@@ -564,14 +564,13 @@ def _dither_sums(sums, weights, v_scales, beta, rest_alpha):
     over its own tokens: ``W_g = sum_t p_t s_{t,g}`` (``sums[g]``) and ``Z_g = sum_t p_t s_{t,g} beta_t``
     (``sums[4 + g]``). The output subtracts ``alpha_c W_g + Z_g`` (``_store_out``)."""
     scales = _v_group_scales(v_scales)
-    out = ()
+    weight_sums = ()
+    beta_sums = ()
     for g in gl.static_range(4):
         scaled = weights * scales[g][:, :, None]
-        out = out + (sums[g] * rest_alpha + _thread_sum(scaled),)
-    for g in gl.static_range(4):
-        scaled = weights * scales[g][:, :, None]
-        out = out + (sums[4 + g] * rest_alpha + _thread_sum(scaled * beta[:, :, None]),)
-    return out
+        weight_sums = weight_sums + (sums[g] * rest_alpha + _thread_sum(scaled),)
+        beta_sums = beta_sums + (sums[4 + g] * rest_alpha + _thread_sum(scaled * beta[:, :, None]),)
+    return weight_sums + beta_sums
 
 
 @gluon.jit

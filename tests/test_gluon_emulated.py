@@ -5,7 +5,6 @@ Also the what-ifs of bench/whatif_stage1.py: those that keep the contract must p
 must not (which shows these tests can tell).
 """
 
-import importlib.util
 import math
 import os
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np  # noqa: E402
 import ptx_subset  # noqa: E402
 from gluon_emulation import _neg_codes, _v_pairs, emulated  # noqa: E402
 from kernel_cases import (  # noqa: E402
+    WHATIF_STAGE1,
     assert_matches_oracle,
     far_token_case,
     filled_pool,
@@ -28,6 +28,7 @@ from kernel_cases import (  # noqa: E402
     non_finite_token_readers,
     oracle,
     overflowing_query_case,
+    python_module,
     relative_error,
 )
 
@@ -38,7 +39,6 @@ pytestmark = interpreter_only("the GPU runs the Gluon kernel compiled: test_kern
 
 DELTA = reference.delta_step(28, 28)
 KERNEL_WRITE = witcert.kernels.KVPool.write
-WHATIF = Path(__file__).resolve().parents[1] / "bench" / "whatif_stage1.py"
 
 
 @pytest.fixture
@@ -170,15 +170,10 @@ def test_emulated_gluon_rescales_bf16_queries_outside_the_fp16_range(run_gluon, 
 
 def _whatif(name: str, tmp_path: Path):
     """bench/whatif_stage1.py's ``name`` applied to the Gluon stage 1, as a module."""
-    spec = importlib.util.spec_from_file_location("whatif_stage1", WHATIF)
-    whatif = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(whatif)
+    whatif = python_module(WHATIF_STAGE1, "whatif_stage1")
     path = tmp_path / f"stage1_{name}.py"
     path.write_text(whatif.variant(name, whatif.SOURCE.read_text()))
-    spec = importlib.util.spec_from_file_location(f"stage1_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return python_module(path, f"stage1_{name}")
 
 
 def _whatif_decode(run_gluon, name: str, tmp_path: Path) -> None:

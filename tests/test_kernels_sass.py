@@ -102,13 +102,9 @@ def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
 def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
     """bench/whatif_stage1.py edits the kernel's text; each edit must still find its anchor, or the what-if
     timings in docs/KERNELS.md could not be reproduced."""
-    import importlib.util
-    from pathlib import Path
+    from kernel_cases import WHATIF_STAGE1, python_module
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "whatif_stage1.py"
-    spec = importlib.util.spec_from_file_location("whatif_stage1", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = python_module(WHATIF_STAGE1, "whatif_stage1")
     source = module.SOURCE.read_text()
     edited = module.variant(name, source)
     assert edited != source
