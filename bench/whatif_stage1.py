@@ -48,6 +48,8 @@ writing a file that would time something else.
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "gluon_decode.py"
@@ -132,23 +134,27 @@ _NOBRANCH = [
     ),
 ]
 
-# Spans of the token loop that copyonly drops: (first line kept out, first line kept after).
+# Spans of the token loop that copyonly drops: (first line dropped, first line kept after, replacement).
 _COPYONLY_SPANS = [
     (
         "        group_scales = _k_group_scales(tile_scales)\n",
         "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n",
+        "",
     ),
     (
         "        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)\n",
         "        async_copy.wait_group(1)  # this tile's V\n",
+        "",
     ),
     (
         "        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))\n",
         "        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)\n",
+        "",
     ),
     (
         "        # The certificate after PV, so that none of V's registers is live through it.\n",
         "        slots = next_slots\n",
+        "",
     ),
 ]
 
@@ -338,7 +344,7 @@ def _replace(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-def _replace_span(text: str, first: str, after: str, new: str = "") -> str:
+def _replace_span(text: str, first: str, after: str, new: str) -> str:
     """``text`` with the lines from ``first`` up to (not including) ``after`` replaced by ``new``."""
     start = _replace(text, first, first).index(first)
     stop = _replace(text, after, after).index(after)
@@ -347,38 +353,35 @@ def _replace_span(text: str, first: str, after: str, new: str = "") -> str:
     return text[:start] + new + text[stop:]
 
 
+def _replacing(edits: list[tuple[str, str]]) -> Callable[[str], str]:
+    return lambda text: functools.reduce(lambda done, edit: _replace(done, *edit), edits, text)
+
+
+def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
+    return lambda text: functools.reduce(lambda done, span: _replace_span(done, *span), spans, text)
+
+
+# Each what-if's edit of the source; the composite ones apply others in turn.
+_EDITS = {
+    "blockradius": _replacing(_BLOCKRADIUS),
+    "qshared": _replacing(_QSHARED),
+    "halfpv": _replacing(_HALFPV),
+    "nobranch": _replacing(_NOBRANCH),
+    "copyonly": _replacing_spans(_COPYONLY_SPANS),
+    "qkahead": _replacing(_QKAHEAD),
+    "threadarg": _replacing_spans(_THREADARG_SPANS),
+}
+_COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
+VARIANTS = (*_EDITS, *_COMPOSITES)
+
+
 def variant(name: str, text: str) -> str:
     """``text`` (the Gluon stage 1's source) with the what-if ``name`` applied; ``a+b`` applies ``a``, then
     ``b`` (each must leave the other's anchors in place, or the second stops with an error naming it)."""
-    if "+" in name:
-        for part in name.split("+"):
-            text = variant(part, text)
-        return text
-    if name in ("blockradius", "all"):
-        for old, new in _BLOCKRADIUS:
-            text = _replace(text, old, new)
-    if name == "qshared":
-        for old, new in _QSHARED:
-            text = _replace(text, old, new)
-    if name in ("halfpv", "all"):
-        for old, new in _HALFPV:
-            text = _replace(text, old, new)
-    if name in ("nobranch", "pipelined"):
-        for old, new in _NOBRANCH:
-            text = _replace(text, old, new)
-    if name == "copyonly":
-        for first, after in _COPYONLY_SPANS:
-            text = _replace_span(text, first, after)
-    if name == "threadarg":
-        for first, after, new in _THREADARG_SPANS:
-            text = _replace_span(text, first, after, new)
-    if name in ("qkahead", "pipelined"):
-        for old, new in _QKAHEAD:
-            text = _replace(text, old, new)
+    for part in name.split("+"):
+        for edit in _COMPOSITES.get(part, part).split("+"):
+            text = _EDITS[edit](text)
     return text
-
-
-VARIANTS = ("blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead", "pipelined", "threadarg")
 
 
 def main() -> None:

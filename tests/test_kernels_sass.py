@@ -96,6 +96,12 @@ def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
     assert not gluon_decode.supports(**{**shape, "outliers": 2}, rows=1)
 
 
+def _token_loop(source: str) -> str:
+    """The Gluon stage 1's token loop in ``source``: from its ``for`` to the wait after it."""
+    loop = source[source.index("    for start in range(lo, hi, BLOCK_N):") :]
+    return loop[: loop.index("    async_copy.wait_group(0)")]
+
+
 @pytest.mark.parametrize(
     "name", ["blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead", "pipelined", "threadarg"]
 )
@@ -117,20 +123,18 @@ def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
     if name in ("nobranch", "pipelined"):
         assert "_RESCALE_ASM, _RESCALE_CONSTRAINTS" not in edited
     if name == "copyonly":
-        loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
-        loop = loop[: loop.index("    async_copy.wait_group(0)")]
+        loop = _token_loop(edited)
         for gone in ("_qk_group(", "_pv_tokens(", "_exp2(", "_radius("):
             assert gone not in loop, gone
         for kept in ("_copy_k(", "_copy_v(", "_copy_scales(", "async_copy.wait_group(1)"):
             assert kept in loop, kept
     if name == "threadarg":
-        loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
-        loop = loop[: loop.index("    async_copy.wait_group(0)")]
+        loop = _token_loop(edited)
         # No reduction over the tokens' lanes in the loop's certificate: the argmax is the thread's own.
         assert "tile_arg" not in loop and "gl.reshape(logits, [4, 4, 8, 8])" in loop
         assert "winner = holder == " in edited
     if name in ("qkahead", "pipelined"):
-        loop = edited[edited.index("    for start in range(lo, hi, BLOCK_N):") :]
+        loop = _token_loop(edited)
         # The next tile's QK comes before this tile's softmax.
         assert loop.index("next_logits = _qk_tile(") < loop.index("tile_max = gl.max(logits, axis=1)")
         assert "gl.allocate_shared_memory(gl.float16, [3, BLOCK_N, 4], _ROW_MAJOR_2D)" in edited
