@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from witcert.integrations import CertificateAggregator
-from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
+from witcert.integrations.telemetry import CertificateAggregator
+from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
 
 TAU = 0.05
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from witcert.integrations import CertificateAggregator
 from witcert.integrations.gating import CachePolicy, GateMode
 from witcert.integrations.quality import greedy_continuation, random_model, teacher_forced_quality
+from witcert.integrations.telemetry import CertificateAggregator
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 
 

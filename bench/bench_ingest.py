@@ -36,8 +36,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from witcert import telemetry_schema as ts
 from witcert.collector.loadgen import OtlpHttpClient, samples_request
+from witcert.integrations.telemetry import schema as ts
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -15,7 +15,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from witcert import telemetry_schema as ts
+from witcert.integrations.telemetry import schema as ts
 
 
 def samples_request(

@@ -1,6 +1,6 @@
 """Versioned schema migrations (``collector/schema/NNNN_name.sql``), single node or cluster.
 
-A migration file is a template: metric and attribute names come from ``witcert.telemetry_schema``
+A migration file is a template: metric and attribute names come from ``witcert.integrations.telemetry.schema``
 (the contract with the engine side), engines, TTLs and the ``ON CLUSTER`` clause from the
 deployment. Applied versions are recorded in ``witcert_schema_migrations``; a file whose text
 changed after it was applied is reported, never silently re-run.
@@ -14,8 +14,8 @@ import string
 from dataclasses import dataclass
 from importlib import resources
 
-from witcert import telemetry_schema as ts
 from witcert.collector.config import Retention
+from witcert.integrations.telemetry import schema as ts
 
 MIGRATIONS_TABLE = "witcert_schema_migrations"
 _FILE_RE = re.compile(r"^(\d{4})_(\w+)\.sql$")

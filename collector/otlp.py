@@ -31,8 +31,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
 
-from witcert import telemetry_schema as ts
 from witcert.collector.config import Limits
+from witcert.integrations.telemetry import schema as ts
 
 SAMPLES_TABLE = "witcert_certificate_samples"
 SUM_TABLE = "otel_metrics_sum"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from witcert import telemetry_schema as ts
+from witcert.integrations.telemetry import schema as ts
 
 if TYPE_CHECKING:
     from witcert.collector.store import Store

@@ -18,7 +18,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import alerting as alerting_models
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 
-from witcert import telemetry_schema as names
+from witcert.integrations.telemetry import schema as names
 
 from .datasource import DATASOURCE_UID, ClickHouseQuery, ClickHouseQueryBuilder, QueryFormat
 from .grafana import DASHBOARD_UID, FOLDER_TITLE, FOLDER_UID

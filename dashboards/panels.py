@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from witcert import telemetry_schema as names
+from witcert.integrations.telemetry import schema as names
 
 # Ranges up to this many seconds read the 1-minute rollup; longer ones the 1-hour rollup.
 MINUTE_ROLLUP_MAX_RANGE_S = 86400

@@ -1,5 +1,9 @@
-"""Connects and emits: engine integrations and the engine-side telemetry (aggregator and OTLP stream)."""
+"""Connects and emits: engine integrations and the engine-side telemetry.
 
-from witcert.integrations.aggregator import AggregatorSnapshot, CertificateAggregator
-
-__all__ = ["AggregatorSnapshot", "CertificateAggregator"]
+- ``witcert.integrations.telemetry``: the certificate aggregator, the step report, the OTLP stream and
+  the OTLP contract (``telemetry.schema``) shared with the collector.
+- ``witcert.integrations.gating``: the gating policy (observe or gate, tau, stride).
+- ``witcert.integrations.transformers_cache``: a transformers ``Cache`` decoding through witcert.
+- ``witcert.integrations.sglang``: the SGLang plugin (attention backend, int8 KV pool, capacity hook).
+- ``witcert.integrations.quality``: the teacher-forced quality harness.
+"""

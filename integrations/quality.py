@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from witcert.integrations.gating import CachePolicy
-from witcert.integrations.step_report import CertificateObserver
+from witcert.integrations.telemetry.step_report import CertificateObserver
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 from witcert.kernels import reference
 

@@ -45,7 +45,7 @@ from witcert.integrations.gating import (
     merge_exact,
     repair_pool_rows,
 )
-from witcert.integrations.step_report import CertificateObserver, StepReport
+from witcert.integrations.telemetry.step_report import CertificateObserver, StepReport
 from witcert.kernels import KVPool, decode_attention, reference
 
 ATTENTION_NAME = "witcert"

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from witcert.integrations.aggregator import AggregatorSnapshot, CertificateAggregator
+from witcert.integrations.telemetry.aggregator import AggregatorSnapshot, CertificateAggregator
 
 _SNAPSHOT_ARRAYS = (
     "samples",

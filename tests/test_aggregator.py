@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from witcert.integrations import CertificateAggregator
-from witcert.integrations.aggregator import COUNTER_NAMES
-from witcert.telemetry_schema import CERTIFICATE_BUCKETS
+from witcert.integrations.telemetry import CertificateAggregator
+from witcert.integrations.telemetry.aggregator import COUNTER_NAMES
+from witcert.integrations.telemetry.schema import CERTIFICATE_BUCKETS
 
 TAU = 0.05
 

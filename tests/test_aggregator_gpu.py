@@ -11,8 +11,8 @@ import torch
 from test_aggregator import TAU, assert_matches, oracle, synthetic_stream
 from test_exporter import OTLPReceiver
 
-from witcert.integrations import CertificateAggregator
-from witcert.integrations.exporter import COUNTER_METRICS, EngineIdentity, TelemetryStream, otlp_http_exporter
+from witcert.integrations.telemetry import CertificateAggregator
+from witcert.integrations.telemetry.exporter import COUNTER_METRICS, EngineIdentity, TelemetryStream, otlp_http_exporter
 
 pytestmark = pytest.mark.gpu
 

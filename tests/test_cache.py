@@ -9,9 +9,9 @@ from counting_aggregator import CountingAggregator, assert_same_counts
 from generation import greedy_generate
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from witcert.integrations.aggregator import CertificateAggregator
 from witcert.integrations.gating import CachePolicy, GateMode
 from witcert.integrations.quality import greedy_continuation, random_model, teacher_forced_quality
+from witcert.integrations.telemetry.aggregator import CertificateAggregator
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 
 LAYERS, Q_HEADS, KV_HEADS = 2, 4, 2

@@ -6,9 +6,9 @@ import pytest
 import torch
 from generation import greedy_generate
 
-from witcert.integrations import CertificateAggregator
 from witcert.integrations.gating import CachePolicy, GateMode
 from witcert.integrations.quality import HeadAudit, greedy_continuation, random_model, teacher_forced_quality
+from witcert.integrations.telemetry import CertificateAggregator
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 from witcert.kernels import reference
 

@@ -41,12 +41,12 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from witcert import telemetry_schema as ts
 from witcert.cli import main as witcert_main
 from witcert.collector.config import CollectorConfig, Limits
 from witcert.collector.loadgen import OtlpHttpClient, samples_request
 from witcert.collector.queries import Window
 from witcert.collector.service import ApiResponse, Collector, Route
+from witcert.integrations.telemetry import schema as ts
 
 TOKEN = "s3cret-token"
 LIMITS = Limits(

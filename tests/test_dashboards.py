@@ -34,12 +34,12 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from witcert import telemetry_schema as ts
 from witcert.collector.config import CollectorConfig
 from witcert.collector.service import Collector
 from witcert.collector.store import Store
 from witcert.dashboards import alerts, export, grafana, macros, panels
 from witcert.dashboards.datasource import ClickHouseQuery, QueryFormat
+from witcert.integrations.telemetry import schema as ts
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "llama-tiny"

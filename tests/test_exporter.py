@@ -25,9 +25,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
 from test_aggregator import TAU, oracle, run_stream, synthetic_stream
 
-from witcert import telemetry_schema as schema
-from witcert.integrations import CertificateAggregator
-from witcert.integrations.exporter import COUNTER_METRICS, EngineIdentity, TelemetryStream, otlp_http_exporter
+from witcert.integrations.telemetry import CertificateAggregator, schema
+from witcert.integrations.telemetry.exporter import COUNTER_METRICS, EngineIdentity, TelemetryStream, otlp_http_exporter
 
 IDENTITY = EngineIdentity(model="test-model", engine="synthetic", instance="test-0", tp_rank=1)
 

@@ -12,8 +12,8 @@ from datetime import UTC, datetime, timedelta
 from test_aggregator import TAU, oracle, run_stream, synthetic_stream
 
 from witcert.collector.queries import Window
-from witcert.integrations import CertificateAggregator
-from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
+from witcert.integrations.telemetry import CertificateAggregator
+from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
 
 
 def test_counts_and_samples_arrive_in_the_store_exactly(collector):

@@ -12,7 +12,6 @@ from generation import greedy_generate
 from transformers import LlamaConfig
 
 from witcert.integrations import gating
-from witcert.integrations.aggregator import CertificateAggregator
 from witcert.integrations.gating import (
     CachePolicy,
     ExactPart,
@@ -23,6 +22,7 @@ from witcert.integrations.gating import (
     merge_exact,
 )
 from witcert.integrations.quality import random_model
+from witcert.integrations.telemetry.aggregator import CertificateAggregator
 from witcert.integrations.transformers_cache import WitcertCache, use_witcert_attention
 from witcert.kernels import KVPool, decode_attention, reference
 

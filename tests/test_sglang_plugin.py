@@ -49,10 +49,10 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
 )
 
 from witcert.integrations import gating  # noqa: E402
-from witcert.integrations.aggregator import CertificateAggregator  # noqa: E402
 from witcert.integrations.sglang import backend as backend_module  # noqa: E402
 from witcert.integrations.sglang import plugin  # noqa: E402
 from witcert.integrations.sglang.pool import WitcertKVPool  # noqa: E402
+from witcert.integrations.telemetry.aggregator import CertificateAggregator  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 MAX_CONTEXT = 32

@@ -3,7 +3,8 @@
 Areas (each a top-level folder of the repository):
 
 - ``witcert.kernels``: the reference mathematics and the Triton kernels (computes).
-- ``witcert.integrations``: engines (transformers, SGLang) and the telemetry aggregator (connects, emits).
+- ``witcert.integrations``: engines (transformers, SGLang) and, in ``witcert.integrations.telemetry``,
+  the engine-side telemetry: aggregator, OTLP stream and the OTLP contract (connects, emits).
 - ``witcert.collector``: OTLP receiver and ClickHouse storage (receives, stores, queries).
 - ``witcert.dashboards``: Grafana dashboards, alert rules and the built-in page (shows).
 

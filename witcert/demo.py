@@ -107,10 +107,10 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
     from witcert.collector.queries import Window
     from witcert.collector.service import Collector
     from witcert.dashboards.page import PREFIX, routes
-    from witcert.integrations import CertificateAggregator
-    from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
     from witcert.integrations.gating import CachePolicy
     from witcert.integrations.quality import random_model
+    from witcert.integrations.telemetry import CertificateAggregator
+    from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
     from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 
     console = console or Console()

@@ -37,8 +37,6 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 
-from witcert.integrations.aggregator import CertificateAggregator
-from witcert.integrations.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
 from witcert.integrations.gating import (
     ExactPart,
     GateMode,
@@ -50,7 +48,9 @@ from witcert.integrations.gating import (
 from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
 from witcert.integrations.sglang.pool import WitcertKVPool
-from witcert.integrations.step_report import StepReport
+from witcert.integrations.telemetry.aggregator import CertificateAggregator
+from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
+from witcert.integrations.telemetry.step_report import StepReport
 from witcert.kernels import ExtendBounds, decode_attention, extend_attention
 
 if TYPE_CHECKING:

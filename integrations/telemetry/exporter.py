@@ -59,8 +59,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from witcert import __version__
-from witcert import telemetry_schema as schema
-from witcert.integrations.aggregator import AggregatorSnapshot, CertificateAggregator, decode_state
+from witcert.integrations.telemetry import schema as schema
+from witcert.integrations.telemetry.aggregator import AggregatorSnapshot, CertificateAggregator, decode_state
 
 _log = logging.getLogger(__name__)
 

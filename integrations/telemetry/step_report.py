@@ -14,7 +14,7 @@ import torch
 
 
 class CertificateObserver(Protocol):
-    """What an integration reports to (``witcert.integrations.CertificateAggregator`` satisfies it)."""
+    """What an integration reports to (``witcert.integrations.telemetry.CertificateAggregator`` satisfies it)."""
 
     def observe_layers(
         self,

@@ -5,7 +5,7 @@ certificates ``[B, H_q]`` the kernel just computed (or ``observe_layers`` once p
 layers' ``[L, B, H_q]``: one launch instead of L, the cheaper choice). It never synchronises with the
 host, never allocates (on the Triton path: one kernel launch, nothing else) and branches on no device
 value, so it can run inside a captured CUDA graph. All state lives in one preallocated int64 device buffer, so a
-flush is a single device-to-host copy (``witcert.integrations.exporter`` does that asynchronously).
+flush is a single device-to-host copy (``witcert.integrations.telemetry.exporter`` does that asynchronously).
 
 Semantics (docs/TELEMETRY.md is the full statement):
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from witcert.telemetry_schema import CERTIFICATE_BUCKETS
+from witcert.integrations.telemetry.schema import CERTIFICATE_BUCKETS
 
 # Order of the counters in the device buffer and in ``AggregatorSnapshot.counters()``.
 COUNTER_NAMES: tuple[str, ...] = ("samples", "covered", "vacuous", "inf", "nan", "fallbacks", "repaired_bytes")
