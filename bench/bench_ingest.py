@@ -216,7 +216,7 @@ def drive(port: int, pid: int, load: Load, client, args: argparse.Namespace, byt
 
 def disk_usage(root: Path, samples: int) -> dict:
     """Typed rows vs raw exporter rows for the same samples: insert time and bytes on disk."""
-    from witcert.collector import otlp
+    from witcert.collector import otlp, tables
     from witcert.collector.config import Limits
     from witcert.collector.store import Store
 
@@ -229,17 +229,17 @@ def disk_usage(root: Path, samples: int) -> dict:
         for index in range(max(1, samples // per_request)):
             steps = range(index * 16, index * 16 + 16)
             request = samples_request("m", "disk", 32, 32, steps, start_ns, inf_every=997, rng=rng)
-            typed = otlp.convert_request(request, Limits()).columns[otlp.SAMPLES_TABLE]
+            typed = otlp.convert_request(request, Limits()).columns[tables.CERTIFICATE_SAMPLES]
             began = time.perf_counter()
-            store.insert_columns(otlp.SAMPLES_TABLE, typed, token=f"typed-{index}")
+            store.insert_columns(tables.CERTIFICATE_SAMPLES, typed, token=f"typed-{index}")
             typed_s += time.perf_counter() - began
             request.resource_metrics[0].scope_metrics[0].metrics[0].name = "bench.raw.sample"
-            raw = otlp.convert_request(request, Limits()).columns[otlp.GAUGE_TABLE]
+            raw = otlp.convert_request(request, Limits()).columns[tables.GAUGE]
             began = time.perf_counter()
-            store.insert_columns(otlp.GAUGE_TABLE, raw, token=f"raw-{index}")
+            store.insert_columns(tables.GAUGE, raw, token=f"raw-{index}")
             raw_s += time.perf_counter() - began
         result = {}
-        for table, seconds in ((otlp.SAMPLES_TABLE, typed_s), (otlp.GAUGE_TABLE, raw_s)):
+        for table, seconds in ((tables.CERTIFICATE_SAMPLES, typed_s), (tables.GAUGE, raw_s)):
             store.command(f"OPTIMIZE TABLE {table} FINAL")
             _, rows = store.query(
                 "SELECT sum(rows), sum(bytes_on_disk) FROM system.parts WHERE active AND table = {t:String}",

@@ -11,12 +11,10 @@ import io
 import json
 import math
 from datetime import date, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from witcert.collector.queries import REPORTS, QueryError, QueryResult, Window, parse_time
-
-if TYPE_CHECKING:
-    from witcert.collector.service import ApiRequest, ApiResponse, Route
+from witcert.collector.requests import ApiRequest, ApiResponse, Route
 
 PREFIX = "/api/v1"
 
@@ -75,8 +73,6 @@ def window_from_params(params: dict[str, str]) -> Window:
 
 
 def _report_handler(request: ApiRequest) -> ApiResponse:
-    from witcert.collector.service import ApiResponse
-
     report = request.path[len(PREFIX) + 1 :].strip("/")
     fmt = request.params.get("format", "json")
     if report == "":
@@ -96,6 +92,4 @@ def _report_handler(request: ApiRequest) -> ApiResponse:
 
 
 def routes() -> tuple[Route, ...]:
-    from witcert.collector.service import Route
-
     return (Route(PREFIX, _report_handler),)

@@ -200,8 +200,7 @@ def _run_query(args: argparse.Namespace) -> int:
 
 
 def _query_store(url: str, report: str, params: dict[str, str]):
-    from witcert.collector import api
-    from witcert.collector.migrations import MIGRATIONS_TABLE
+    from witcert.collector import api, tables
     from witcert.collector.queries import Queries
     from witcert.collector.store import Store, parse_store_url
 
@@ -211,7 +210,7 @@ def _query_store(url: str, report: str, params: dict[str, str]):
         raise RuntimeError(f"no chDB store at {location.path}: start `witcert collector --store {url}` first")
     store = Store(url, migrate=False)
     try:
-        _, rows = store.query(f"EXISTS TABLE {MIGRATIONS_TABLE}")
+        _, rows = store.query(f"EXISTS TABLE {tables.SCHEMA_MIGRATIONS}")
         if rows != [(1,)]:
             hint = f"run `witcert collector --store {url}` once"
             raise RuntimeError(f"{location.describe()} has no witcert schema: {hint}")

@@ -17,9 +17,10 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 
 from witcert.collector.config import parse_listen_address
+from witcert.collector.requests import Outcome
 
 if TYPE_CHECKING:
-    from witcert.collector.service import Collector
+    from witcert.collector.pipeline import Pipeline
 
 _SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 
@@ -32,9 +33,7 @@ def _abort_with_retry(context: grpc.ServicerContext, message: str, retry_after_s
     context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
 
-def _export_handler(collector: Collector):
-    from witcert.collector.service import Outcome
-
+def _export_handler(collector: Pipeline):
     def export(body: bytes, context: grpc.ServicerContext) -> bytes:
         token = collector.config.token
         if token is not None:
@@ -55,7 +54,7 @@ def _export_handler(collector: Collector):
     return export
 
 
-def start_grpc_server(collector: Collector, address: str) -> tuple[grpc.Server, int]:
+def start_grpc_server(collector: Pipeline, address: str) -> tuple[grpc.Server, int]:
     host, port = parse_listen_address(address)
     limit = collector.config.limits.max_decompressed_bytes
     server = grpc.server(

@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import zlib
+from collections.abc import Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
@@ -24,9 +25,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 
 from witcert.collector import api
 from witcert.collector.config import parse_listen_address
+from witcert.collector.requests import ApiRequest, Outcome, Route
 
 if TYPE_CHECKING:
-    from witcert.collector.service import Collector
+    from witcert.collector.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,9 @@ class _Server(ThreadingHTTPServer):
     # The default listen backlog (5) drops connections under a burst of exporters.
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], collector: Collector) -> None:
+    def __init__(self, address: tuple[str, int], collector: Pipeline, routes: Sequence[Route]) -> None:
         self.collector = collector
+        self.routes = tuple(routes)
         self.budget = _InflightBudget(collector.config.limits.max_inflight_bytes)
         self.connection_slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         super().__init__(address, _Handler)
@@ -191,8 +194,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.budget.release(length)
 
     def _export(self, length: int, content_type: str, encoding: str) -> None:
-        from witcert.collector.service import Outcome
-
         limits = self.server.collector.config.limits
         body = self.rfile.read(length)
         self._body_read = True
@@ -245,15 +246,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
             return
-        from witcert.collector.service import ApiRequest
-
         request = ApiRequest(
             path=path,
             params=dict(parse_qsl(parts.query, keep_blank_values=True)),
             headers={name.lower(): value for name, value in self.headers.items()},
             queries=collector.queries,
         )
-        for route in (*api.routes(), *collector.extra_routes):
+        for route in self.server.routes:
             if path == route.prefix or path.startswith(route.prefix.rstrip("/") + "/"):
                 try:
                     response = route.handler(request)
@@ -288,10 +287,10 @@ def _grpc_code(http_status: int) -> int:
     }.get(http_status, 2)  # UNKNOWN
 
 
-def start_http_server(collector: Collector, address: str) -> tuple[_Server, int]:
+def start_http_server(collector: Pipeline, address: str, extra_routes: Sequence[Route] = ()) -> tuple[_Server, int]:
     host, port = parse_listen_address(address)
     try:
-        server = _Server((host, port), collector)
+        server = _Server((host, port), collector, (*api.routes(), *extra_routes))
     except OSError as error:
         raise OSError(f"cannot listen for OTLP/HTTP on {address}: {error.strerror}") from None
     thread = threading.Thread(target=server.serve_forever, name="witcert-otlp-http", daemon=True)

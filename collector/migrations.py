@@ -1,9 +1,10 @@
 """Versioned schema migrations (``collector/schema/NNNN_name.sql``), single node or cluster.
 
-A migration file is a template: metric and attribute names come from ``witcert.integrations.telemetry.schema``
-(the contract with the engine side), engines, TTLs and the ``ON CLUSTER`` clause from the
-deployment. Applied versions are recorded in ``witcert_schema_migrations``; a file whose text
-changed after it was applied is reported, never silently re-run.
+A migration file is a template: table names (``${T_<NAME>}``) come from ``tables``, metric and
+attribute names from ``witcert.integrations.telemetry.schema`` (the contract with the engine side), engines,
+TTLs and the ``ON CLUSTER`` clause from the deployment. Applied versions are recorded in
+``tables.SCHEMA_MIGRATIONS``; a file whose text changed after it was applied is reported, never
+silently re-run.
 """
 
 from __future__ import annotations
@@ -14,24 +15,14 @@ import string
 from dataclasses import dataclass
 from importlib import resources
 
+from witcert.collector import tables
 from witcert.collector.config import Retention
 from witcert.integrations.telemetry import schema as ts
 
-MIGRATIONS_TABLE = "witcert_schema_migrations"
 _FILE_RE = re.compile(r"^(\d{4})_(\w+)\.sql$")
-# Tables the migrations create; the cluster variant renames each to <name>_local and puts a
-# Distributed table with the original name in front of it.
-TABLES = (
-    "otel_metrics_sum",
-    "otel_metrics_gauge",
-    "otel_metrics_histogram",
-    "witcert_certificate_samples",
-    "witcert_counts_1m",
-    "witcert_counts_1h",
-    "witcert_buckets_1m",
-    "witcert_buckets_1h",
-)
-_TABLE_RE = re.compile(r"\b(" + "|".join(TABLES) + r")\b")
+# The cluster variant renames each data table to <name>_local and puts a Distributed table with
+# the original name in front of it.
+_TABLE_RE = re.compile(r"\b(" + "|".join(tables.DATA_TABLES) + r")\b")
 # Rows per table a replayed insert is checked against (ClickHouse keeps this many block hashes).
 DEDUPLICATION_WINDOW = 10_000
 
@@ -48,7 +39,10 @@ class Migration:
 
     @property
     def checksum(self) -> str:
-        return hashlib.sha256(self.template.encode()).hexdigest()[:16]
+        # Over the text with the table names written out, so that a store migrated by a release
+        # that spelled the names in the files sees the same checksums.
+        named = string.Template(self.template).safe_substitute(tables.TEMPLATE_NAMES)
+        return hashlib.sha256(named.encode()).hexdigest()[:16]
 
 
 def load_migrations() -> list[Migration]:
@@ -80,6 +74,7 @@ def _substitutions(retention: Retention, cluster: str | None) -> dict[str, str]:
         merge_tree, summing, on_cluster = "MergeTree", "SummingMergeTree", ""
         dedup = f", non_replicated_deduplication_window = {DEDUPLICATION_WINDOW}"
     return {
+        **tables.TEMPLATE_NAMES,
         "ON_CLUSTER": on_cluster,
         "MERGE_TREE": merge_tree,
         "SUMMING_MERGE_TREE": summing,
@@ -143,7 +138,7 @@ def cluster_ddl(cluster: str, database: str = "default", retention: Retention | 
         for statement in render_statements(migration, retention, cluster):
             parts.append(_TABLE_RE.sub(lambda m: f"{database}.{m.group(1)}_local", statement) + ";")
     parts.append("\n-- Distributed front tables")
-    for table in TABLES:
+    for table in tables.DATA_TABLES:
         parts.append(
             f"CREATE TABLE IF NOT EXISTS {database}.{table} {on_cluster} AS {database}.{table}_local\n"
             f"ENGINE = Distributed({cluster}, {database}, {table}_local, rand());"
@@ -153,10 +148,10 @@ def cluster_ddl(cluster: str, database: str = "default", retention: Retention | 
 
 def applied_versions(client) -> dict[int, str]:
     client.command(
-        f"CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (Version UInt32, Name String, Checksum String, "
+        f"CREATE TABLE IF NOT EXISTS {tables.SCHEMA_MIGRATIONS} (Version UInt32, Name String, Checksum String, "
         "AppliedAt DateTime64(3, 'UTC') DEFAULT now64(3)) ENGINE = MergeTree ORDER BY Version"
     )
-    rows = client.query(f"SELECT Version, Checksum FROM {MIGRATIONS_TABLE}").result_rows
+    rows = client.query(f"SELECT Version, Checksum FROM {tables.SCHEMA_MIGRATIONS}").result_rows
     return {int(version): checksum for version, checksum in rows}
 
 
@@ -178,7 +173,7 @@ def migrate(client, retention: Retention) -> list[int]:
         for statement in render_statements(migration, retention):
             client.command(statement)
         client.insert(
-            MIGRATIONS_TABLE,
+            tables.SCHEMA_MIGRATIONS,
             [[migration.version, migration.name, migration.checksum]],
             column_names=["Version", "Name", "Checksum"],
         )

@@ -31,13 +31,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
 
+from witcert.collector import tables
 from witcert.collector.config import Limits
 from witcert.integrations.telemetry import schema as ts
-
-SAMPLES_TABLE = "witcert_certificate_samples"
-SUM_TABLE = "otel_metrics_sum"
-GAUGE_TABLE = "otel_metrics_gauge"
-HISTOGRAM_TABLE = "otel_metrics_histogram"
 
 _COMMON = (
     "ResourceAttributes",
@@ -62,7 +58,7 @@ _COMMON = (
     "Exemplars.TraceId",
 )
 COLUMNS: dict[str, tuple[str, ...]] = {
-    SAMPLES_TABLE: (
+    tables.CERTIFICATE_SAMPLES: (
         "Timestamp",
         "ServiceName",
         "Instance",
@@ -74,9 +70,9 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "Step",
         "Value",
     ),
-    SUM_TABLE: _COMMON + ("Value", "AggregationTemporality", "IsMonotonic"),
-    GAUGE_TABLE: _COMMON + ("Value",),
-    HISTOGRAM_TABLE: _COMMON
+    tables.SUM: _COMMON + ("Value", "AggregationTemporality", "IsMonotonic"),
+    tables.GAUGE: _COMMON + ("Value",),
+    tables.HISTOGRAM: _COMMON
     + ("Count", "Sum", "BucketCounts", "ExplicitBounds", "Min", "Max", "AggregationTemporality"),
 }
 # DateTime64(9) holds nanoseconds since the epoch in an Int64.
@@ -290,7 +286,7 @@ class _Converter:
         data = getattr(metric, kind)
         name = metric.name
         is_witcert_counter = name in _WITCERT_COUNTERS
-        table = self.batch.table(SUM_TABLE if kind == "sum" else GAUGE_TABLE)
+        table = self.batch.table(tables.SUM if kind == "sum" else tables.GAUGE)
         extra: tuple = ()
         if kind == "sum":
             extra = (int(data.aggregation_temporality), bool(data.is_monotonic))
@@ -313,7 +309,7 @@ class _Converter:
     def histograms(self, common: tuple, metric) -> None:
         data = metric.histogram
         name = metric.name
-        table = self.batch.table(HISTOGRAM_TABLE)
+        table = self.batch.table(tables.HISTOGRAM)
         temporality = int(data.aggregation_temporality)
         for point in data.data_points:
             bounds = list(point.explicit_bounds)
@@ -349,7 +345,7 @@ class _Converter:
         if not (tp_text.isdigit() and int(tp_text) <= _MAX_UINT16):
             self.batch.reject(len(points), f"{ts.RESOURCE_TP_RANK} must be an integer 0..65535, got {tp_text!r}")
             return
-        table = self.batch.table(SAMPLES_TABLE)
+        table = self.batch.table(tables.CERTIFICATE_SAMPLES)
         timestamps, values, layers, heads, steps = (
             table["Timestamp"],
             table["Value"],

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from witcert.collector import tables
 from witcert.integrations.telemetry import schema as ts
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ MAX_SAMPLE_ROWS = 100_000
 TARGET_POINTS = 240
 
 # name -> SQL. Placeholders: start, end (DateTime64), interval (seconds), model and instance
-# ('' = all), tau, limit, layer and head (-1 = all). {rollup} is the only spliced name.
+# ('' = all), tau, limit, layer and head (-1 = all). Table names are spliced from ``tables``:
+# {samples} here, {rollup} (1-minute or 1-hour counts, by the window's length) when a report runs.
 SQL: dict[str, str] = {
     "coverage": """
 SELECT toStartOfInterval(Bucket, toIntervalSecond({interval:UInt32})) AS time,
@@ -43,7 +45,7 @@ SELECT toStartOfInterval(Timestamp, toIntervalSecond({interval:UInt32})) AS time
        count() AS samples, countIf(Value <= {tau:Float64}) AS covered,
        countIf(Value >= 1) AS vacuous, countIf(isInfinite(Value)) AS infinite,
        covered / samples AS coverage
-FROM witcert_certificate_samples
+FROM {samples}
 WHERE Timestamp >= {start:DateTime64(9, 'UTC')} AND Timestamp < {end:DateTime64(9, 'UTC')}
   AND ({model:String} = '' OR Model = {model:String}) AND ({instance:String} = '' OR Instance = {instance:String})
 GROUP BY time ORDER BY time""",
@@ -61,7 +63,7 @@ GROUP BY layer, head ORDER BY layer, head""",
 SELECT Layer AS layer, Head AS head, count() AS samples, countIf(Value <= {tau:Float64}) AS covered,
        covered / samples AS coverage, countIf(isInfinite(Value)) AS infinite,
        quantileExactIf(0.99)(Value, isFinite(Value)) AS p99, max(Value) AS max
-FROM witcert_certificate_samples
+FROM {samples}
 WHERE Timestamp >= {start:DateTime64(9, 'UTC')} AND Timestamp < {end:DateTime64(9, 'UTC')}
   AND ({model:String} = '' OR Model = {model:String}) AND ({instance:String} = '' OR Instance = {instance:String})
 GROUP BY layer, head ORDER BY layer, head""",
@@ -79,7 +81,7 @@ ORDER BY coverage ASC, certificates DESC, layer, head LIMIT {limit:UInt32}""",
 SELECT Model AS model, Layer AS layer, Head AS head, count() AS samples,
        countIf(Value <= {tau:Float64}) AS covered, covered / samples AS coverage,
        countIf(isInfinite(Value)) AS infinite, max(Value) AS max
-FROM witcert_certificate_samples
+FROM {samples}
 WHERE Timestamp >= {start:DateTime64(9, 'UTC')} AND Timestamp < {end:DateTime64(9, 'UTC')}
   AND ({model:String} = '' OR Model = {model:String}) AND ({instance:String} = '' OR Instance = {instance:String})
 GROUP BY model, layer, head
@@ -87,7 +89,7 @@ ORDER BY coverage ASC, samples DESC, layer, head LIMIT {limit:UInt32}""",
     "samples": """
 SELECT Timestamp AS time, Model AS model, Instance AS instance, TpRank AS tp_rank,
        Layer AS layer, Head AS head, Step AS step, Value AS value
-FROM witcert_certificate_samples
+FROM {samples}
 WHERE Timestamp >= {start:DateTime64(9, 'UTC')} AND Timestamp < {end:DateTime64(9, 'UTC')}
   AND ({model:String} = '' OR Model = {model:String}) AND ({instance:String} = '' OR Instance = {instance:String})
   AND ({layer:Int32} < 0 OR Layer = {layer:Int32}) AND ({head:Int32} < 0 OR Head = {head:Int32})
@@ -106,13 +108,14 @@ GROUP BY time ORDER BY time""",
 SELECT ResourceAttributes['{ts.RESOURCE_MODEL}'] AS model,
        ResourceAttributes['{ts.RESOURCE_INSTANCE}'] AS instance,
        argMax(Value, TimeUnix) AS tau, max(TimeUnix) AS reported_at
-FROM otel_metrics_gauge
+FROM {tables.GAUGE}
 WHERE MetricName = '{ts.TAU}'
   AND TimeUnix >= {{start:DateTime64(9, 'UTC')}} AND TimeUnix < {{end:DateTime64(9, 'UTC')}}
   AND ({{model:String}} = '' OR model = {{model:String}})
   AND ({{instance:String}} = '' OR instance = {{instance:String}})
 GROUP BY model, instance ORDER BY model, instance""",
 }
+SQL = {name: text.replace("{samples}", tables.CERTIFICATE_SAMPLES) for name, text in SQL.items()}
 
 # The reports `witcert query` and the HTTP API offer, and the SQL each picks (tau given or not).
 REPORTS: dict[str, tuple[str, str]] = {
@@ -159,7 +162,7 @@ class Window:
 
     @property
     def rollup(self) -> str:
-        return "witcert_counts_1m" if self.end - self.start <= MINUTE_ROLLUP_MAX_RANGE else "witcert_counts_1h"
+        return tables.COUNTS_1M if self.end - self.start <= MINUTE_ROLLUP_MAX_RANGE else tables.COUNTS_1H
 
     @property
     def interval(self) -> int:
@@ -167,7 +170,7 @@ class Window:
         if self.interval_s is not None:
             return self.interval_s
         seconds = (self.end - self.start).total_seconds() / TARGET_POINTS
-        step = 60 if self.rollup == "witcert_counts_1m" else 3600
+        step = 60 if self.rollup == tables.COUNTS_1M else 3600
         return max(step, int(math.ceil(seconds / step)) * step)
 
     def parameters(self) -> dict[str, Any]:

@@ -244,7 +244,7 @@ def routes() -> tuple[Any, ...]:
 
     Each request reads through the collector's own store connection (``request.queries``).
     """
-    from witcert.collector.service import ApiRequest, ApiResponse, Route
+    from witcert.collector.requests import ApiRequest, ApiResponse, Route
 
     def handle(request: ApiRequest) -> ApiResponse:
         def run_query(sql: str) -> tuple[Sequence[str], Sequence[Sequence[Any]]]:

@@ -45,7 +45,8 @@ from witcert.cli import main as witcert_main
 from witcert.collector.config import CollectorConfig, Limits
 from witcert.collector.loadgen import OtlpHttpClient, samples_request
 from witcert.collector.queries import Window
-from witcert.collector.service import ApiResponse, Collector, Route
+from witcert.collector.requests import ApiResponse, Route
+from witcert.collector.service import Collector
 from witcert.integrations.telemetry import schema as ts
 
 TOKEN = "s3cret-token"

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from witcert.cli import main as witcert_main
-from witcert.collector import migrations
+from witcert.collector import migrations, tables
 from witcert.collector.config import Retention
 from witcert.collector.store import Store, StoreError, parse_store_url
 
@@ -71,23 +71,23 @@ def test_raw_tables_match_the_exporter(store):
 def test_migrations_apply_once_and_refuse_edited_history(store):
     assert sorted(migrations.applied_versions(store.client)) == [1, 2, 3]
     assert migrations.migrate(store.client, Retention()) == []
-    store.command(f"ALTER TABLE {migrations.MIGRATIONS_TABLE} UPDATE Checksum = 'edited' WHERE Version = 2")
+    store.command(f"ALTER TABLE {tables.SCHEMA_MIGRATIONS} UPDATE Checksum = 'edited' WHERE Version = 2")
     try:
         with pytest.raises(migrations.MigrationError, match="0002_certificate_samples changed after it was applied"):
             migrations.migrate(store.client, Retention())
     finally:
         checksum = migrations.load_migrations()[1].checksum
-        store.command(f"ALTER TABLE {migrations.MIGRATIONS_TABLE} UPDATE Checksum = '{checksum}' WHERE Version = 2")
+        store.command(f"ALTER TABLE {tables.SCHEMA_MIGRATIONS} UPDATE Checksum = '{checksum}' WHERE Version = 2")
 
 
 def test_every_table_has_its_ttl(store):
     _, rows = store.query(
         "SELECT name, create_table_query FROM system.tables WHERE database = currentDatabase() "
         "AND engine LIKE '%MergeTree' AND name != {m:String}",
-        {"m": migrations.MIGRATIONS_TABLE},
+        {"m": tables.SCHEMA_MIGRATIONS},
     )
     ddl = dict(rows)
-    assert set(ddl) == set(migrations.TABLES)
+    assert set(ddl) == set(tables.DATA_TABLES)
     assert "toIntervalDay(3)" in ddl["otel_metrics_gauge"]  # the configured raw_days
     assert all(" TTL " in text for text in ddl.values())
 
@@ -96,11 +96,11 @@ def test_cluster_ddl(capsys, store):
     assert witcert_main(["schema", "--cluster", "prod", "--database", "witcert"]) == 0
     ddl = capsys.readouterr().out
     statements = [s.strip() for s in ddl.split(";") if s.strip() and "CREATE" in s]
-    assert len(statements) == 1 + 13 + len(migrations.TABLES)  # database, 8 tables + 5 views, Distributed
+    assert len(statements) == 1 + 13 + len(tables.DATA_TABLES)  # database, 8 tables + 5 views, Distributed
     assert all("ON CLUSTER prod" in statement for statement in statements)
     for statement in statements:  # ClickHouse's own parser accepts each (no cluster here to run them)
         store.query("EXPLAIN AST " + statement)
-    for table in migrations.TABLES:
+    for table in tables.DATA_TABLES:
         assert f"CREATE TABLE IF NOT EXISTS witcert.{table}_local ON CLUSTER prod" in ddl
         assert f"ENGINE = Distributed(prod, witcert, {table}_local, rand())" in ddl
     assert "ReplicatedSummingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')" in ddl

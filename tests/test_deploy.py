@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from witcert.collector import otlp
+from witcert.collector import tables
 from witcert.collector.migrations import cluster_ddl
 from witcert.dashboards import datasource, export
 
@@ -55,8 +55,8 @@ def test_otel_collector_writes_the_collectors_raw_tables():
     config = load("otelcol/config.yaml")
     exporter = config["exporters"]["clickhouse"]
     assert exporter["create_schema"] is False  # the schema is witcert's, created by its migrations
-    tables = {kind: table["name"] for kind, table in exporter["metrics_tables"].items()}
-    assert tables == {"sum": otlp.SUM_TABLE, "gauge": otlp.GAUGE_TABLE, "histogram": otlp.HISTOGRAM_TABLE}
+    names = {kind: table["name"] for kind, table in exporter["metrics_tables"].items()}
+    assert names == {"sum": tables.SUM, "gauge": tables.GAUGE, "histogram": tables.HISTOGRAM}
     assert config["service"]["pipelines"]["metrics"]["exporters"] == ["clickhouse"]
 
 

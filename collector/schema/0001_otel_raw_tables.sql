@@ -4,7 +4,7 @@
 -- ${RAW_TTL_DAYS}. The witcert collector inserts every batch with a deduplication token; the
 -- deduplication window is what makes a replayed batch (crash between insert and spool commit) a no-op.
 
-CREATE TABLE IF NOT EXISTS otel_metrics_sum ${ON_CLUSTER} (
+CREATE TABLE IF NOT EXISTS ${T_SUM} ${ON_CLUSTER} (
     ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
     ResourceSchemaUrl String CODEC(ZSTD(1)),
     ScopeName String CODEC(ZSTD(1)),
@@ -42,7 +42,7 @@ PARTITION BY toDate(TimeUnix)
 ORDER BY (ServiceName, MetricName, Attributes, toUnixTimestamp64Nano(TimeUnix))
 SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1${DEDUP};
 
-CREATE TABLE IF NOT EXISTS otel_metrics_gauge ${ON_CLUSTER} (
+CREATE TABLE IF NOT EXISTS ${T_GAUGE} ${ON_CLUSTER} (
     ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
     ResourceSchemaUrl String CODEC(ZSTD(1)),
     ScopeName String CODEC(ZSTD(1)),
@@ -78,7 +78,7 @@ PARTITION BY toDate(TimeUnix)
 ORDER BY (ServiceName, MetricName, Attributes, toUnixTimestamp64Nano(TimeUnix))
 SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1${DEDUP};
 
-CREATE TABLE IF NOT EXISTS otel_metrics_histogram ${ON_CLUSTER} (
+CREATE TABLE IF NOT EXISTS ${T_HISTOGRAM} ${ON_CLUSTER} (
     ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
     ResourceSchemaUrl String CODEC(ZSTD(1)),
     ScopeName String CODEC(ZSTD(1)),

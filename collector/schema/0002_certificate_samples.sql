@@ -2,7 +2,7 @@
 -- +inf is a valid (overflowed) bound and is kept as it is. Rows whose layer/head/step attributes
 -- are not unsigned integers stay raw only (another writer, e.g. the contrib exporter, may send them).
 
-CREATE TABLE IF NOT EXISTS witcert_certificate_samples ${ON_CLUSTER} (
+CREATE TABLE IF NOT EXISTS ${T_CERTIFICATE_SAMPLES} ${ON_CLUSTER} (
     Timestamp DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     ServiceName LowCardinality(String) CODEC(ZSTD(1)),
     Instance LowCardinality(String) CODEC(ZSTD(1)),
@@ -19,8 +19,8 @@ PARTITION BY toDate(Timestamp)
 ORDER BY (Model, Instance, TpRank, Layer, Head, Timestamp, Step)
 SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1${DEDUP};
 
-CREATE MATERIALIZED VIEW IF NOT EXISTS witcert_certificate_samples_mv ${ON_CLUSTER}
-TO witcert_certificate_samples AS
+CREATE MATERIALIZED VIEW IF NOT EXISTS ${T_CERTIFICATE_SAMPLES_MV} ${ON_CLUSTER}
+TO ${T_CERTIFICATE_SAMPLES} AS
 SELECT
     TimeUnix AS Timestamp,
     ServiceName,
@@ -32,7 +32,7 @@ SELECT
     toUInt16(toUInt16OrNull(Attributes['${A_HEAD}'])) AS Head,
     toUInt64(toUInt64OrNull(Attributes['${A_STEP}'])) AS Step,
     Value
-FROM otel_metrics_gauge
+FROM ${T_GAUGE}
 WHERE MetricName = '${M_SAMPLE}'
     AND isNotNull(toUInt16OrNull(Attributes['${A_LAYER}']))
     AND isNotNull(toUInt16OrNull(Attributes['${A_HEAD}']))

@@ -5,7 +5,7 @@
 -- number of finite sampled certificates in (previous edge, UpperBound]; rows with Count = 0 are
 -- dropped. Coverage at tau' is sum(Count | UpperBound <= tau') / sum(Count) (a lower bound between edges).
 
-CREATE TABLE IF NOT EXISTS witcert_counts_1m ${ON_CLUSTER} (
+CREATE TABLE IF NOT EXISTS ${T_COUNTS_1M} ${ON_CLUSTER} (
     Bucket DateTime('UTC') CODEC(Delta, ZSTD(1)),
     Model LowCardinality(String),
     Instance LowCardinality(String),
@@ -27,14 +27,14 @@ PARTITION BY toDate(Bucket)
 ORDER BY (Model, Instance, TpRank, Layer, Head, Bucket)
 SETTINGS ttl_only_drop_parts = 1${DEDUP};
 
-CREATE TABLE IF NOT EXISTS witcert_counts_1h ${ON_CLUSTER} AS witcert_counts_1m
+CREATE TABLE IF NOT EXISTS ${T_COUNTS_1H} ${ON_CLUSTER} AS ${T_COUNTS_1M}
 ENGINE = ${SUMMING_MERGE_TREE}
 TTL Bucket + toIntervalDay(${ROLLUP_1H_TTL_DAYS})
 PARTITION BY toYYYYMM(Bucket)
 ORDER BY (Model, Instance, TpRank, Layer, Head, Bucket)
 SETTINGS ttl_only_drop_parts = 1${DEDUP};
 
-CREATE TABLE IF NOT EXISTS witcert_buckets_1m ${ON_CLUSTER} (
+CREATE TABLE IF NOT EXISTS ${T_BUCKETS_1M} ${ON_CLUSTER} (
     Bucket DateTime('UTC') CODEC(Delta, ZSTD(1)),
     Model LowCardinality(String),
     Instance LowCardinality(String),
@@ -49,14 +49,14 @@ PARTITION BY toDate(Bucket)
 ORDER BY (Model, Instance, TpRank, Layer, Head, Bucket, UpperBound)
 SETTINGS ttl_only_drop_parts = 1${DEDUP};
 
-CREATE TABLE IF NOT EXISTS witcert_buckets_1h ${ON_CLUSTER} AS witcert_buckets_1m
+CREATE TABLE IF NOT EXISTS ${T_BUCKETS_1H} ${ON_CLUSTER} AS ${T_BUCKETS_1M}
 ENGINE = ${SUMMING_MERGE_TREE}
 TTL Bucket + toIntervalDay(${ROLLUP_1H_TTL_DAYS})
 PARTITION BY toYYYYMM(Bucket)
 ORDER BY (Model, Instance, TpRank, Layer, Head, Bucket, UpperBound)
 SETTINGS ttl_only_drop_parts = 1${DEDUP};
 
-CREATE MATERIALIZED VIEW IF NOT EXISTS witcert_counts_1m_mv ${ON_CLUSTER} TO witcert_counts_1m AS
+CREATE MATERIALIZED VIEW IF NOT EXISTS ${T_COUNTS_1M_MV} ${ON_CLUSTER} TO ${T_COUNTS_1M} AS
 SELECT
     toStartOfMinute(TimeUnix) AS Bucket,
     ResourceAttributes['${R_MODEL}'] AS Model,
@@ -73,11 +73,11 @@ SELECT
     toUInt64(sumIf(Value, MetricName = '${M_REPAIRED_BYTES}')) AS RepairedBytes,
     toUInt64(sumIf(Value, MetricName = '${M_STEPS}')) AS Steps,
     toUInt64(sumIf(Value, MetricName = '${M_DROPPED}')) AS Dropped
-FROM otel_metrics_sum
+FROM ${T_SUM}
 WHERE MetricName IN (${M_COUNTERS}) AND AggregationTemporality = 1 AND isFinite(Value) AND Value >= 0
 GROUP BY Bucket, Model, Instance, TpRank, Layer, Head;
 
-CREATE MATERIALIZED VIEW IF NOT EXISTS witcert_counts_1h_mv ${ON_CLUSTER} TO witcert_counts_1h AS
+CREATE MATERIALIZED VIEW IF NOT EXISTS ${T_COUNTS_1H_MV} ${ON_CLUSTER} TO ${T_COUNTS_1H} AS
 SELECT
     toStartOfHour(TimeUnix) AS Bucket,
     ResourceAttributes['${R_MODEL}'] AS Model,
@@ -94,11 +94,11 @@ SELECT
     toUInt64(sumIf(Value, MetricName = '${M_REPAIRED_BYTES}')) AS RepairedBytes,
     toUInt64(sumIf(Value, MetricName = '${M_STEPS}')) AS Steps,
     toUInt64(sumIf(Value, MetricName = '${M_DROPPED}')) AS Dropped
-FROM otel_metrics_sum
+FROM ${T_SUM}
 WHERE MetricName IN (${M_COUNTERS}) AND AggregationTemporality = 1 AND isFinite(Value) AND Value >= 0
 GROUP BY Bucket, Model, Instance, TpRank, Layer, Head;
 
-CREATE MATERIALIZED VIEW IF NOT EXISTS witcert_buckets_1m_mv ${ON_CLUSTER} TO witcert_buckets_1m AS
+CREATE MATERIALIZED VIEW IF NOT EXISTS ${T_BUCKETS_1M_MV} ${ON_CLUSTER} TO ${T_BUCKETS_1M} AS
 SELECT
     toStartOfMinute(TimeUnix) AS Bucket,
     ResourceAttributes['${R_MODEL}'] AS Model,
@@ -108,14 +108,14 @@ SELECT
     ifNull(toUInt16OrNull(Attributes['${A_HEAD}']), 65535) AS Head,
     bucket.1 AS UpperBound,
     sum(bucket.2) AS Count
-FROM otel_metrics_histogram
+FROM ${T_HISTOGRAM}
 ARRAY JOIN arrayZip(arrayPushBack(ExplicitBounds, inf), BucketCounts) AS bucket
 WHERE MetricName = '${M_VALUE}' AND AggregationTemporality = 1
     AND length(BucketCounts) = length(ExplicitBounds) + 1
 GROUP BY Bucket, Model, Instance, TpRank, Layer, Head, UpperBound
 HAVING Count > 0;
 
-CREATE MATERIALIZED VIEW IF NOT EXISTS witcert_buckets_1h_mv ${ON_CLUSTER} TO witcert_buckets_1h AS
+CREATE MATERIALIZED VIEW IF NOT EXISTS ${T_BUCKETS_1H_MV} ${ON_CLUSTER} TO ${T_BUCKETS_1H} AS
 SELECT
     toStartOfHour(TimeUnix) AS Bucket,
     ResourceAttributes['${R_MODEL}'] AS Model,
@@ -125,7 +125,7 @@ SELECT
     ifNull(toUInt16OrNull(Attributes['${A_HEAD}']), 65535) AS Head,
     bucket.1 AS UpperBound,
     sum(bucket.2) AS Count
-FROM otel_metrics_histogram
+FROM ${T_HISTOGRAM}
 ARRAY JOIN arrayZip(arrayPushBack(ExplicitBounds, inf), BucketCounts) AS bucket
 WHERE MetricName = '${M_VALUE}' AND AggregationTemporality = 1
     AND length(BucketCounts) = length(ExplicitBounds) + 1
