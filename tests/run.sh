@@ -4,12 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
 # The built-in dashboard page is tested in headless Chromium (Debian's package).
+step "headless Chromium (Debian's package) for the dashboard page tests"
 command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # torch 2.13.0 resolves to the CPU build on these machines; naming it first keeps pip from pulling CUDA wheels.
+step "installing witcert and its test dependencies (torch 2.13.0 CPU build)"
 python -m pip install --quiet torch==2.13.0 -e '.[test]'
 # SGLang without its GPU dependencies: the plugin tests import its real classes on CPU.
+step "installing SGLang 0.5.23's CPU test kit"
 python -m pip install --quiet --no-deps sglang==0.5.23
 python -m pip install --quiet -r integrations/sglang/requirements-test.txt
 
@@ -18,4 +23,5 @@ export PYTHONUNBUFFERED=1
 # transformers >= 5.25, imported at its import time) wherever the repository root is on sys.path, as
 # `python -m` puts the working directory there. Safe-path mode keeps it off, in every subprocess too.
 export PYTHONSAFEPATH=1
+step "running the tests: pytest $*"
 python -m pytest "$@"
