@@ -47,7 +47,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.varlen import varlen_attn
 
 from witcert.kernels import ExtendBounds, KVPool, extend_attention
-from witcert.kernels.attention import LAUNCH
+from witcert.kernels.launch import LAUNCH
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 

@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import witcert.kernels
 from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, reference
-from witcert.kernels.attention import LAUNCH, LaunchConfig
+from witcert.kernels.launch import LAUNCH, LaunchConfig
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 ROTATE_BYTES = 512 * 2**20

@@ -432,9 +432,9 @@ def merge_exact(
     zero = torch.zeros((), dtype=lse_q.dtype, device=lse_q.device)
     kernel = accumulators
     merged = reference.CertificateAccumulators(
-        a1_rest=reference._mul_nonneg(w_q, kernel.a1_rest),
-        b_rest=reference._mul_nonneg(w_q, kernel.b_rest),
-        u_rest=reference._mul_nonneg(w_q, kernel.u_rest),
+        a1_rest=reference.mul_nonneg(w_q, kernel.a1_rest),
+        b_rest=reference.mul_nonneg(w_q, kernel.b_rest),
+        u_rest=reference.mul_nonneg(w_q, kernel.u_rest),
         p_rest=w_q * kernel.p_rest + w_e,
         p_max=w_q * kernel.p_max,
         u_max=kernel.u_max,

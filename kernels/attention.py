@@ -17,84 +17,21 @@ always checked there, read back once per call unless the caller passes them as `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from witcert.kernels import reference
+from witcert.kernels import extend_sdpa, reference
 from witcert.kernels.backend import Path, kernels_module, select_path
 from witcert.kernels.extend_bounds import ExtendBounds, check_kv_end, check_kv_indptr
+from witcert.kernels.launch import LAUNCH
 from witcert.kernels.pool import KVPool
 
 _MAX_SPLITS = 64
 
-
-@dataclass
-class LaunchConfig:
-    """Tile and launch parameters of the stage-1 kernels (the benchmark sweeps them; docs/KERNELS.md)."""
-
-    # The Triton stage 1's tile: 128/4/2 was fastest in the H200 sweeps (B=32, S=16k; docs/KERNELS.md).
-    block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
-    # A register cap for the Triton int8 stage 1 (ptxas .maxnreg): more programs per SM against spills.
-    maxnreg: int | None = None
-    # The Gluon stage 1 (kernels/gluon_decode.py) where it covers the call; False forces the Triton one.
-    gluon: bool = True
-    # ... on calls reading at least this many tokens (kv_indices' length, a shape: graph-safe). Below, its
-    # fixed cost (operand set-up, the merge of four warps) loses to the Triton kernel (H200 table in
-    # docs/KERNELS.md: 1.4x slower at B=8, S=1k). From 16k tokens on it was faster at every measured size,
-    # with and without the certificate.
-    gluon_min_tokens: int = 16384
-    # Its tile is fixed (128 tokens, 4 warps); its register caps (with and without the certificate) decide
-    # how many of its programs an SM holds (gluon_programs_per_sm) and so the default number of splits.
-    # H200 sweep (B=32, S=16k, default splits; bench/results/kernels_h200.json), ms with / without the
-    # certificate: 168 (3 per SM) 0.316 / 0.248, no cap (201-255 registers, 2 per SM) 0.329 / 0.259, 160
-    # 0.329 / 0.251, 128 (4 per SM, heavy spills) 0.390 / 0.284.
-    gluon_maxnreg: int | None = 168
-    gluon_maxnreg_nocert: int | None = 168
-    # The tiled extend kernel (triton_extend), with or without the certificate; False runs one decode row per
-    # new token. Swept on the H200 (bench/results/extend_h200.json; prefix 16k + 512 new tokens, ms without /
-    # with the certificate): 128 rows (16 new tokens of 8 padded heads), 64-key tiles, 8 warps 2.14 / 4.24;
-    # 32-key tiles 2.80 / 4.50; 4 warps 2.62 / 11.5; 64 rows and 4 warps 2.13 / 5.81; 128-key tiles 2.11 / 15.0;
-    # 256 rows 2.58 / 10.7. The per-row path: 3.41 / 4.36.
-    extend_tiled: bool = True
-    extend_rows: int = 128
-    extend_block_n: int = 64
-    extend_num_warps: int = 8
-    # Extend without the certificate on PyTorch's SDPA over K/V gathered from the pool (kernels/extend_sdpa.py):
-    # not exact (fp16/bf16 rounding; tested within 4e-3 / 2e-2), 0.97-1.16x SDPA on an fp16 cache for one sequence
-    # on the H200, up to 2.1x for batches of many short prompts (docs/KERNELS.md, Extend). False
-    # keeps every extend on the exact kernels.
-    extend_sdpa: bool = True
-    # Batches of more runs of equal sequences than this (extend_bounds.equal_runs) take one FlashAttention 2 varlen
-    # call instead of one SDPA call per run. H200, mixed batches (bench/results/extend_crossover_h200.json and
-    # extend_varlen_gqa_h200.json), ms per run / varlen: 2 runs 0.43 / 0.62, 3 runs 0.29 / 0.43, 4 runs
-    # 0.61 / 0.54, 5 runs 0.36 / 0.23, 8 runs 0.81 / 0.56, 64 runs 3.88 / 0.18.
-    extend_sdpa_max_calls: int = 3
-    # The gathered K/V are allocated per call, unknown to the engine's memory planner: at most this many bytes of
-    # consecutive sequences at a time (256 MiB: 256k keys of 4 KV heads at head_dim 128, fp16)...
-    extend_sdpa_chunk_bytes: int = 2**28
-    # ...and of one sequence, which is gathered whole (2 GiB: 2M keys); a longer one runs the tiled kernel.
-    extend_sdpa_max_bytes: int = 2**31
-
-    def programs_per_sm(self) -> int:
-        """Triton stage-1 programs an SM holds, which the default splits fill (default_num_kv_splits): 65536
-        registers over its threads at the cap, or at 256 uncapped (it compiles to 255)."""
-        return max(1, 65536 // (32 * self.num_warps * (self.maxnreg or 256)))
-
-    def gluon_programs_per_sm(self, certificate: bool) -> int:
-        """Gluon stage-1 programs an SM holds: 65536 registers over 128 threads at the cap; uncapped, the
-        kernel compiles to 200-255 registers (Triton 3.6-3.9), two programs. Shared memory (about 40 KB
-        per program) allows five."""
-        cap = self.gluon_maxnreg if certificate else self.gluon_maxnreg_nocert
-        return 65536 // (128 * cap) if cap else 2
-
-
-# Module-level so an engine (or the benchmark) can retune once; read at every launch.
-LAUNCH = LaunchConfig()
 _sm_count: dict[int, int] = {}
 
 
@@ -114,15 +51,49 @@ class AttentionOutput:
     path: Path
 
 
-# Rows of the stage-2 statistics: the certificate, then CertificateAccumulators' fields in order.
-_STATS = 7
+class _SplitPartials(NamedTuple):
+    """A split's certificate partials, each ``[rows, H_q, splits]`` float32, in the order the stage-1 kernels and
+    stage 2 take their pointers: the split's max logit, the rest sums with its argmax token held apart, and u at
+    that argmax."""
+
+    max_logit: torch.Tensor
+    a1_rest: torch.Tensor
+    b_rest: torch.Tensor
+    u_rest: torch.Tensor
+    p_rest: torch.Tensor
+    u_max: torch.Tensor
 
 
-def _result(out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor | None, path: Path) -> AttentionOutput:
+class _Certificate(NamedTuple):
+    """Stage 2's certificate and its accumulators (``reference.CertificateAccumulators``), each ``[rows, H_q]``
+    float32, in the order stage 2 takes their pointers."""
+
+    certificate: torch.Tensor
+    a1_rest: torch.Tensor
+    b_rest: torch.Tensor
+    u_rest: torch.Tensor
+    p_rest: torch.Tensor
+    p_max: torch.Tensor
+    u_max: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, num_q_heads: int, device: torch.device, fill: float | None = None) -> _Certificate:
+        block = torch.empty(len(cls._fields), rows, num_q_heads, dtype=torch.float32, device=device)
+        if fill is not None:
+            block.fill_(fill)
+        return cls(*block)
+
+    def accumulators(self) -> reference.CertificateAccumulators:
+        return reference.CertificateAccumulators(
+            **{name: value for name, value in self._asdict().items() if name != "certificate"}
+        )
+
+
+def _result(out: torch.Tensor, lse: torch.Tensor, stats: _Certificate | None, path: Path) -> AttentionOutput:
     """The output, with the certificate and its accumulators from ``stats`` where there is one."""
     if stats is None:
         return AttentionOutput(out, lse, None, None, path)
-    return AttentionOutput(out, lse, stats[0], reference.CertificateAccumulators(*stats[1:_STATS]), path)
+    return AttentionOutput(out, lse, stats.certificate, stats.accumulators(), path)
 
 
 class _SplitBuffers(NamedTuple):
@@ -131,10 +102,9 @@ class _SplitBuffers(NamedTuple):
 
     part_out: torch.Tensor
     part_lse: torch.Tensor
-    # Per split: its max logit, then A1_rest, B_rest, U_rest, P_rest and u at its argmax.
-    part_stats: tuple[torch.Tensor, ...] | None
+    part_stats: _SplitPartials | None
     lse: torch.Tensor
-    stats: torch.Tensor | None
+    stats: _Certificate | None
 
 
 def _split_buffers(
@@ -143,12 +113,13 @@ def _split_buffers(
     """The buffers of one split-KV call, left unwritten; with ``nan_lse`` the per-split LSE and certificate
     partials start as NaN (a split no program writes then poisons its row in stage 2)."""
     part_out = torch.empty(rows, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
-    part = torch.empty(_STATS if certificate else 1, rows, num_q_heads, splits, dtype=torch.float32, device=device)
+    partials = len(_SplitPartials._fields) if certificate else 0
+    part = torch.empty(1 + partials, rows, num_q_heads, splits, dtype=torch.float32, device=device)
     if nan_lse:
         part.fill_(math.nan)
     lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
-    stats = torch.empty(_STATS, rows, num_q_heads, dtype=torch.float32, device=device) if certificate else None
-    return _SplitBuffers(part_out, part[0], tuple(part[1:_STATS]) if certificate else None, lse, stats)
+    stats = _Certificate.allocate(rows, num_q_heads, device) if certificate else None
+    return _SplitBuffers(part_out, part[0], _SplitPartials(*part[1:]) if certificate else None, lse, stats)
 
 
 def _pow2(n: int) -> int:
@@ -207,7 +178,7 @@ def _check_common(q: torch.Tensor, pool: KVPool, layer: int, delta_step: float, 
         raise ValueError(f"q head_dim {q.shape[2]} does not match the pool's {pool.head_dim}")
     if q.shape[1] % pool.kv_heads:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({pool.kv_heads})")
-    pool._check_layer(layer)
+    pool.check_layer(layer)
     if certificate and not 0.0 < float(delta_step) < 1.0:
         raise ValueError(f"delta_step must be in (0, 1), got {delta_step}")
 
@@ -342,7 +313,7 @@ def _run_triton(
         from witcert.kernels import gluon_decode
 
         grid = (rows, pool.kv_heads * -(-kv_group // gluon_decode.HEADS), num_kv_splits)
-        gluon_decode._decode_stage1_gluon[grid](
+        gluon_decode.decode_stage1_gluon[grid](
             q,
             pool.codes[layer, 0],
             pool.scales[layer, 0],
@@ -368,7 +339,7 @@ def _run_triton(
             ),
         )
     else:
-        kernels._decode_stage1[(rows, head_blocks, num_kv_splits)](
+        kernels.decode_stage1[(rows, head_blocks, num_kv_splits)](
             q,
             pool.codes[layer, 0],
             pool.scales[layer, 0],
@@ -379,7 +350,7 @@ def _run_triton(
             pool.channel_dither[layer, 0],
             pool.channel_dither[layer, 1],
             pool.outlier_index[layer],
-            pool._outlier_channels_i32[layer],
+            pool.outlier_channels_i32[layer],
             *stage1_args,
             pool.seed,
             layer,
@@ -408,31 +379,31 @@ def _run_triton(
     return _result(out, lse, stats, path)
 
 
-def _stat_pointers(part_stats: tuple[torch.Tensor, ...] | None, part_lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _stat_pointers(part_stats: _SplitPartials | None, part_lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The per-split certificate partials a kernel takes, or, without the certificate, ``part_lse`` in each
     place (the kernels compile those stores out, but a pointer must be passed)."""
-    return part_stats if part_stats is not None else (part_lse,) * (_STATS - 1)
+    return part_stats if part_stats is not None else (part_lse,) * len(_SplitPartials._fields)
 
 
 def _merge_splits(
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
-    part_stats: tuple[torch.Tensor, ...] | None,
+    part_stats: _SplitPartials | None,
     out: torch.Tensor,
     lse: torch.Tensor,
-    stats: torch.Tensor | None,
+    stats: _Certificate | None,
 ) -> None:
     """Stage 2: merge the ``[rows, H_q, splits]`` partials into ``out`` and ``lse`` with LSE weights, and
     with ``part_stats`` (per split) evaluate the certificate into ``stats``; without, no certificate."""
     rows, num_q_heads, splits, head_dim = part_out.shape
     certificate = part_stats is not None
-    kernels_module()._decode_stage2[(rows, num_q_heads)](
+    kernels_module().decode_stage2[(rows, num_q_heads)](
         part_out,
         part_lse,
         *_stat_pointers(part_stats, part_lse),
         out,
         lse,
-        *(stats if certificate else (lse,) * _STATS),
+        *(stats if stats is not None else (lse,) * len(_Certificate._fields)),
         out.stride(0),
         out.stride(1),
         reference.CERTIFICATE_EVAL_SLACK,
@@ -461,7 +432,7 @@ def _run_reference(
     rows, num_q_heads, _ = q.shape
     device = q.device
     lse = torch.full((rows, num_q_heads), -math.inf, dtype=torch.float32, device=device)
-    stats = torch.zeros(_STATS, rows, num_q_heads, dtype=torch.float32, device=device)
+    stats = _Certificate.allocate(rows, num_q_heads, device, fill=0.0)
     out.zero_()
     for row in range(rows):
         start, length = int(kv_start[row]), int(kv_len[row])
@@ -479,10 +450,9 @@ def _run_reference(
         )
         out[row] = result.out.to(out.dtype)
         lse[row] = result.lse
-        acc = result.accumulators
-        stats[:, row] = torch.stack(
-            (result.certificate, acc.a1_rest, acc.b_rest, acc.u_rest, acc.p_rest, acc.p_max, acc.u_max)
-        )
+        stats.certificate[row] = result.certificate
+        for field in dataclasses.fields(result.accumulators):
+            getattr(stats, field.name)[row] = getattr(result.accumulators, field.name)
     return _result(out, lse, stats if certificate else None, "reference")
 
 
@@ -640,8 +610,6 @@ def extend_attention(
         _check_index_tensor(name, x, q.device)
     if qo_indptr.numel() != kv_indptr.numel() or qo_indptr.numel() < 1:
         raise ValueError("qo_indptr and kv_indptr must both have B + 1 entries")
-    from witcert.kernels import extend_sdpa
-
     validating = validate if validate is not None else q.device.type != "cuda"
     on_sdpa = not certificate and extend_sdpa.covers(q, pool)
     if bounds is not None:
@@ -720,7 +688,7 @@ def _run_extend_tiled(
     out: torch.Tensor | None,
     certificate: bool,
 ) -> AttentionOutput:
-    """``triton_extend._extend_stage1`` over blocks of new tokens, then decode's stage 2 with the query tokens
+    """``triton_extend.extend_stage1`` over blocks of new tokens, then decode's stage 2 with the query tokens
     as its rows. The block table is built on the device from shapes (no host sync): a grid of
     ``ceil(T / BLOCK_M) + B`` blocks, enough for any split of ``T`` tokens into ``B`` sequences."""
     from witcert.kernels import triton_extend
@@ -749,7 +717,7 @@ def _run_extend_tiled(
     q = q if q.stride(2) == 1 else q.contiguous()
     interpreted = device.type != "cuda"
     if tokens and sequences:
-        triton_extend._extend_stage1[(grid_blocks, pool.kv_heads, splits)](
+        triton_extend.extend_stage1[(grid_blocks, pool.kv_heads, splits)](
             q,
             pool.codes[layer, 0],
             pool.scales[layer, 0],
@@ -790,8 +758,8 @@ def _run_extend_tiled(
         # No sequence to cover the tokens: a malformed qo_indptr (validation off) makes NaN, as in decode.
         out.fill_(math.nan)
         lse.fill_(math.nan)
-        if stats is not None:
-            stats.fill_(math.nan)
+        for value in stats or ():
+            value.fill_(math.nan)
     return _result(out, lse, stats, "triton-gpu" if device.type == "cuda" else "triton-interpreter")
 
 
@@ -830,7 +798,7 @@ def decode_attention_fp16(
     part_lse = torch.empty(rows, num_q_heads, splits, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=q.device)
     kernels = kernels_module()
-    kernels._decode_stage1_fp16[(rows, head_blocks, splits)](
+    kernels.decode_stage1_fp16[(rows, head_blocks, splits)](
         q,
         k_cache,
         v_cache,
@@ -851,13 +819,13 @@ def decode_attention_fp16(
         num_warps=LAUNCH.num_warps,
         num_stages=LAUNCH.num_stages,
     )
-    kernels._decode_stage2[(rows, num_q_heads)](
+    kernels.decode_stage2[(rows, num_q_heads)](
         part_out,
         part_lse,
-        *(part_lse,) * (_STATS - 1),
+        *_stat_pointers(None, part_lse),
         out,
         lse,
-        *(lse,) * _STATS,
+        *(lse,) * len(_Certificate._fields),
         out.stride(0),
         out.stride(1),
         1.0,

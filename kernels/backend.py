@@ -41,7 +41,7 @@ def _kernels_are_interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(triton.language.standard.max, InterpretedFunction) and isinstance(
-        kernels_module()._write_kernel, InterpretedFunction
+        kernels_module().write_kernel, InterpretedFunction
     )
 
 

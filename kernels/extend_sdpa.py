@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from witcert.kernels.extend_bounds import EqualRun, ExtendBounds
+from witcert.kernels.launch import LAUNCH
 from witcert.kernels.pool import KVPool
 
 try:
@@ -57,8 +58,6 @@ class Chunk(NamedTuple):
 def covers(q: torch.Tensor, pool: KVPool) -> bool:
     """Whether extend without the certificate can take this path (``LAUNCH.extend_sdpa`` and the limits above;
     ``fits`` then checks the longest sequence)."""
-    from witcert.kernels.attention import LAUNCH
-
     if not LAUNCH.extend_sdpa or q.device.type != "cuda" or q.shape[0] == 0:
         return False
     # The model's own dtype only: a bf16 pool's values can exceed fp16's range.
@@ -75,8 +74,6 @@ def key_bytes(q: torch.Tensor, pool: KVPool) -> int:
 def fits(q: torch.Tensor, pool: KVPool, bounds: ExtendBounds) -> bool:
     """Whether the longest sequence's gathered K/V fit ``LAUNCH.extend_sdpa_max_bytes`` (a batch is gathered in
     chunks of ``LAUNCH.extend_sdpa_chunk_bytes``, but one sequence at once)."""
-    from witcert.kernels.attention import LAUNCH
-
     return bounds.longest[1] * key_bytes(q, pool) <= LAUNCH.extend_sdpa_max_bytes
 
 
@@ -99,8 +96,6 @@ def attend(
     planner does not know about. In a chunk, consecutive sequences with the same numbers of new and seen
     tokens share one batched SDPA call (``bounds.runs``); more than ``LAUNCH.extend_sdpa_max_calls`` such runs
     take one FlashAttention 2 varlen call instead, where this PyTorch has it."""
-    from witcert.kernels.attention import LAUNCH
-
     q = q if q.stride(2) == 1 else q.contiguous()
     chunks = bounds.chunks(max(1, LAUNCH.extend_sdpa_chunk_bytes // key_bytes(q, pool)))
     if len(chunks) == 1:
@@ -119,8 +114,6 @@ def attend(
 
 def _attend_chunk(q: torch.Tensor, chunk: Chunk, scale: float) -> torch.Tensor:
     """The chunk's attention: per run, or varlen."""
-    from witcert.kernels.attention import LAUNCH
-
     runs = chunk.bounds.runs
     if len(runs) > LAUNCH.extend_sdpa_max_calls and _varlen is not None:
         return _attend_varlen(q, chunk, scale)

@@ -1,6 +1,6 @@
 """Decode stage 1 in Gluon (Triton's layout-explicit dialect): the int8 path with hand-placed operands.
 
-The Triton kernel (``triton_kernels._decode_stage1``) is limited by instruction issue: Triton builds the
+The Triton kernel (``triton_kernels.decode_stage1``) is limited by instruction issue: Triton builds the
 tensor-core operands of the int8 tiles through shared memory and duplicated registers. Here every
 layout is chosen so that the bytes a thread loads are the bytes its tensor-core fragment needs:
 
@@ -9,8 +9,7 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   (token, channel group) and the channel order inside a group is relabelled (a permutation applied to
   K and q alike, which a dot product ignores) so that those bytes are its fragment's ``k`` slots.
 * **Dither.** K's ``xi = alpha_c`` (docs/THEORY.md, section 1) costs no per-token work: it enters once per
-  split as ``sum_c q_c alpha_c`` per (head, group), the QK MMAs' start value. (Until session 14 K also had a
-  per-slot part, one Philox call per token.)
+  split as ``sum_c q_c alpha_c`` per (head, group), the QK MMAs' start value.
 * **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T`` in halves of 16 tokens and
   64 channels: a thread loads 8 contiguous V bytes per token, one asm block interleaves tokens t and
   t + 1 by ``prmt`` into ``f16x2`` registers and scales them into the exact ``v_hi + v_lo``, and the
@@ -644,7 +643,7 @@ def _store_out(
 
 
 @gluon.jit
-def _decode_stage1_gluon(
+def decode_stage1_gluon(
     Q,
     KCodes,
     KScales,
@@ -681,7 +680,7 @@ def _decode_stage1_gluon(
     OFFSETS_64: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
 ):
-    """One (row, block of 8 query heads, split): the outputs of ``triton_kernels._decode_stage1``."""
+    """One (row, block of 8 query heads, split): the outputs of ``triton_kernels.decode_stage1``."""
     row = gl.program_id(0)
     head_block = gl.program_id(1)
     split = gl.program_id(2)

@@ -17,8 +17,8 @@ from witcert.kernels.backend import kernels_module, select_path
 
 SIDES: tuple[reference.Kind, reference.Kind] = ("k", "v")
 _WRITE_BLOCK_TOKENS = 32
-# The write kernel's (token, head) rows per program; every head of a token goes to the same program. 128
-# against 32: 0.927 against 0.949 ms on the H200 (1M tokens, interleaved A/B, session 7).
+# The write kernel's (token, head) rows per program; every head of a token goes to the same program. 128 rows
+# write faster than 32 on the H200 (2% at 1M tokens, timed in interleaved A/B runs).
 _WRITE_ROWS = 128
 
 
@@ -97,7 +97,7 @@ class KVPool:
             order = torch.arange(self.num_outliers, dtype=torch.int32, device=self.device)
             index.scatter_(-1, channels, order.expand_as(channels).contiguous())
         self.outlier_index = index
-        self._outlier_channels_i32 = channels.to(torch.int32).contiguous()
+        self.outlier_channels_i32 = channels.to(torch.int32).contiguous()
 
         # The dither's per-channel part alpha of every layer, side and head (float32 [L, 2, H_kv, D]): the decode
         # kernels read it (a few KB) instead of regenerating it per program; the write and gather kernels
@@ -133,10 +133,10 @@ class KVPool:
             if channels.shape[0] != self.num_layers:
                 raise ValueError(f"outlier_channels [L, H_kv, 2m] must have L = {self.num_layers}")
             per_layer = [
-                reference._check_outlier_channels(c, self.kv_heads, self.head_dim, self.device) for c in channels
+                reference.check_outlier_channels(c, self.kv_heads, self.head_dim, self.device) for c in channels
             ]
             return torch.stack(per_layer).contiguous()
-        checked = reference._check_outlier_channels(channels, self.kv_heads, self.head_dim, self.device)
+        checked = reference.check_outlier_channels(channels, self.kv_heads, self.head_dim, self.device)
         return checked.expand(self.num_layers, -1, -1).contiguous()
 
     @property
@@ -156,7 +156,7 @@ class KVPool:
     def dithered(self, kind: reference.Kind) -> bool:
         return kind == "k" or self.v_dither
 
-    def _check_layer(self, layer: int) -> None:
+    def check_layer(self, layer: int) -> None:
         if not 0 <= int(layer) < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
 
@@ -187,7 +187,7 @@ class KVPool:
         makes them on CPU only; unvalidated, the kernel skips out-of-range slots (never writes outside
         the pool), and non-finite input leaves meaningless codes in its own slots only.
         """
-        self._check_layer(layer)
+        self.check_layer(layer)
         for name, x in (("k", k), ("v", v)):
             if x.dim() != 3 or tuple(x.shape[1:]) != (self.kv_heads, self.head_dim):
                 raise ValueError(f"{name} must be [N, {self.kv_heads}, {self.head_dim}], got shape {tuple(x.shape)}")
@@ -221,14 +221,14 @@ class KVPool:
         constants = self._pool_constants()
         for side, x in enumerate((k, v)):
             x = x.contiguous()
-            kernels._write_kernel[(triton_cdiv(x.shape[0], constants["BLOCK_T"]),)](
+            kernels.write_kernel[(triton_cdiv(x.shape[0], constants["BLOCK_T"]),)](
                 x,
                 slots,
                 self.codes[layer, side],
                 self.scales[layer, side],
                 self.outlier_values[layer, side],
                 self.outlier_index[layer],
-                self._outlier_channels_i32[layer],
+                self.outlier_channels_i32[layer],
                 x.shape[0],
                 self.num_slots,
                 x.stride(0),
@@ -260,7 +260,7 @@ class KVPool:
     def dither(self, layer: int, slots: torch.Tensor, kind: reference.Kind, kv_head: int) -> torch.Tensor:
         """The dither ``xi`` ``[N, D]`` (float32) the write and gather kernels regenerate for one head: what
         ``reference.dither_values`` must equal, bit for bit (``selftest`` and the tests compare them)."""
-        self._check_layer(layer)
+        self.check_layer(layer)
         slots = self._check_slots(slots)
         if not 0 <= kv_head < self.kv_heads or kind not in SIDES:
             raise ValueError(f"kv_head must be in [0, {self.kv_heads}) and kind 'k' or 'v'")
@@ -310,7 +310,7 @@ class KVPool:
 
     def quantized(self, layer: int, slots: torch.Tensor, kind: reference.Kind) -> reference.QuantizedKV:
         """The stored tokens of ``slots`` as a ``reference.QuantizedKV``: the oracle's view of the pool."""
-        self._check_layer(layer)
+        self.check_layer(layer)
         if kind not in SIDES:
             raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
         slots = self._check_slots(slots).to(torch.int64)
@@ -342,7 +342,7 @@ class KVPool:
         ``slots``: the Triton gather kernel (``triton_gather``), bit-identical to ``dequantize(layer, slots,
         kind).to(dtype)``. ``validate`` (default: on except on CUDA, where it costs a sync) checks the slots;
         unchecked, a slot out of range gives a NaN row."""
-        self._check_layer(layer)
+        self.check_layer(layer)
         dtype = self.dtype if dtype is None else dtype
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
@@ -354,7 +354,7 @@ class KVPool:
         constants = self._pool_constants()
         out = torch.empty(len(SIDES), slots.shape[0], self.kv_heads, self.head_dim, dtype=dtype, device=self.device)
         if slots.numel():
-            triton_gather._gather_dequantize[(triton_cdiv(slots.shape[0], constants["BLOCK_T"]), len(SIDES))](
+            triton_gather.gather_dequantize[(triton_cdiv(slots.shape[0], constants["BLOCK_T"]), len(SIDES))](
                 slots,
                 self.codes[layer],
                 self.scales[layer],

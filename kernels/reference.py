@@ -338,7 +338,7 @@ class QuantizedKV:
         return x_hat
 
 
-def _check_outlier_channels(
+def check_outlier_channels(
     outlier_channels: torch.Tensor | None, num_kv_heads: int, head_dim: int, device
 ) -> torch.Tensor:
     if outlier_channels is None:
@@ -400,7 +400,7 @@ def quantize(
         )
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x contains NaN or inf: a quantized cache cannot represent it")
-    channels = _check_outlier_channels(outlier_channels, num_kv_heads, head_dim, x.device)
+    channels = check_outlier_channels(outlier_channels, num_kv_heads, head_dim, x.device)
     dithers_per_word(dither_bits)  # validates dither_bits before any work
 
     x32 = x.to(torch.float32)
@@ -508,7 +508,7 @@ def expm1_minus_x(x: torch.Tensor) -> torch.Tensor:
     return torch.where(small, series, torch.where(x == math.inf, x, torch.expm1(x) - x))
 
 
-def _mul_nonneg(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mul_nonneg(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Product of non-negative bounds where an overflowed (+inf) factor makes the product +inf, never NaN."""
     return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(a * 1.0, math.inf), a * b)
 
@@ -532,8 +532,8 @@ def logit_radius(
     scales = k.scales.to(dtype)[:, kv_head_of_query, :].permute(1, 0, 2)  # [H_q, S, G]
     # An overflowed |q_g|^2 beside a zero scale (an all-zero group) is 0 * inf: +inf by section 3's rule for
     # products with an overflowed factor, as the kernels have it, never NaN.
-    sigma = sm_scale * torch.sqrt(_mul_nonneg(scales.square(), q_sq[:, None, :]).sum(-1) / 12.0)
-    bias = sm_scale * _mul_nonneg(scales, q_l1[:, None, :]).sum(-1) * fp_slack(k.dither_bits)
+    sigma = sm_scale * torch.sqrt(mul_nonneg(scales.square(), q_sq[:, None, :]).sum(-1) / 12.0)
+    bias = sm_scale * mul_nonneg(scales, q_l1[:, None, :]).sum(-1) * fp_slack(k.dither_bits)
     return tail_multiplier(k.num_tokens, delta) * sigma + bias
 
 
@@ -571,10 +571,10 @@ def certificate_from_accumulators(
     e_m = torch.exp(u_max)
     expm1_m = torch.expm1(u_max)
     g_m = expm1_minus_x(u_max)
-    a1 = a1_rest + _mul_nonneg(p_max, expm1_m)
-    b = b_rest + _mul_nonneg(p_max, g_m)
-    t4 = _mul_nonneg(e_m, a1_rest) + _mul_nonneg(expm1_m, p_rest)
-    pa_inner = _mul_nonneg(e_m, b_rest) + _mul_nonneg(expm1_m, u_rest) + _mul_nonneg(g_m, p_rest)
+    a1 = a1_rest + mul_nonneg(p_max, expm1_m)
+    b = b_rest + mul_nonneg(p_max, g_m)
+    t4 = mul_nonneg(e_m, a1_rest) + mul_nonneg(expm1_m, p_rest)
+    pa_inner = mul_nonneg(e_m, b_rest) + mul_nonneg(expm1_m, u_rest) + mul_nonneg(g_m, p_rest)
     return CertificateTerms(t1=a1, t4=t4, p=torch.sqrt(b / 2.0), pa=torch.sqrt(pa_inner / 2.0))
 
 
@@ -613,9 +613,9 @@ def accumulate_certificate(
     u_max = radius.gather(-1, argmax).squeeze(-1)
     not_max = torch.ones_like(probs, dtype=torch.bool).scatter(-1, argmax, False)
     zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
-    a1_rest = torch.where(not_max, _mul_nonneg(probs, torch.expm1(radius)), zero).sum(-1)
-    b_rest = torch.where(not_max, _mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
-    u_rest = torch.where(not_max, _mul_nonneg(probs, radius), zero).sum(-1)
+    a1_rest = torch.where(not_max, mul_nonneg(probs, torch.expm1(radius)), zero).sum(-1)
+    b_rest = torch.where(not_max, mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
+    u_rest = torch.where(not_max, mul_nonneg(probs, radius), zero).sum(-1)
     p_rest = torch.where(not_max, probs, zero).sum(-1)
     return CertificateAccumulators(a1_rest, b_rest, u_rest, p_rest, p_max, u_max)
 
@@ -718,7 +718,7 @@ def output_error_bound(result: DecodeResult, v: QuantizedKV, *, delta: float) ->
     scales = v.channel_scales(dtype)[:, kv_head, :]
     half_step = scales * (0.5 + 2.0**-16)
     spread = (v_hat + half_step).amax(0) - (v_hat - half_step).amin(0)  # [H_q, D]
-    attention_shift = _mul_nonneg(result.certificate[:, None], spread)
+    attention_shift = mul_nonneg(result.certificate[:, None], spread)
     dither_error = torch.einsum("hs,shd->hd", result.probs, half_step)
     if v.dithered:
         c_v = math.sqrt(2.0 * math.log(2.0 * v.head_dim / delta))

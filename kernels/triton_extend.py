@@ -3,10 +3,10 @@
 Each program takes ``BLOCK_M`` new tokens of one sequence with the ``KV_GROUP`` query heads of one KV
 head, ``BLOCK_M * BLOCK_H`` rows of the dots, and one split of the keys they see (causal: new token ``i``
 of a sequence with prefix ``P`` sees keys ``0 .. P + i``). A K/V tile is dequantized once for all those
-rows, where the per-row path (``_decode_stage1``, one query token per row) reads the whole prefix again for
+rows, where the per-row path (``decode_stage1``, one query token per row) reads the whole prefix again for
 every new token. The operands are the decode kernels' (``triton_kernels``), exact in fp16 or bf16 with fp32
 accumulation, so the output matches the float32 reference as decode's does. Splits merge in
-``_decode_stage2``, the query tokens being its rows.
+``decode_stage2``, the query tokens being its rows.
 
 With the certificate, each row (a new token and a head) gets decode's accumulators over the keys it sees,
 with its own length in the tail multiplier, and stage 2 evaluates them. Covered: 8-bit dithers, V rounded
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from witcert.kernels.triton_kernels import (
-    _FP32_INF,
-    _P_SCALE,
+    FP32_INF,
+    P_SCALE,
     add_radius_terms,
     certificate_tile,
     channel_dither_term,
@@ -35,7 +35,7 @@ from witcert.kernels.triton_kernels import (
 
 
 @triton.jit
-def _extend_stage1(
+def extend_stage1(
     Q,
     KCodes,
     KScales,
@@ -109,7 +109,7 @@ def _extend_stage1(
     channels = tl.arange(0, HEAD_DIM)
     groups = tl.arange(0, num_groups)
     q_rows = Q + (qo_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
-    running_max = tl.full((ROWS,), -_FP32_INF, tl.float32)
+    running_max = tl.full((ROWS,), -FP32_INF, tl.float32)
     running_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
     # The certificate: each row's tail multiplier from its own length (THEORY.md section 2), the rest sums
@@ -143,7 +143,7 @@ def _extend_stage1(
             if CERTIFICATE:
                 sigma_sq, bias = add_radius_terms(sigma_sq, bias, q_g.to(tl.float32), scale_g, sigma_coef, bias_coef)
         visible = token_ok[None, :] & (offs[None, :] < row_limit[:, None])
-        logits = tl.where(visible, logits * sm_scale, -_FP32_INF)
+        logits = tl.where(visible, logits * sm_scale, -FP32_INF)
 
         tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
         if CERTIFICATE:
@@ -159,12 +159,12 @@ def _extend_stage1(
         running_max = new_max
 
     safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
-    poison = tl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
+    poison = tl.where(slots_ok, 0.0, (FP32_INF - FP32_INF))
     num_q_heads = NUM_KV_HEADS * KV_GROUP
     part_row = ((qo_start + token) * num_q_heads + head) * NUM_SPLITS + split
-    out = acc * (1.0 / _P_SCALE) / safe_sum[:, None] + poison
+    out = acc * (1.0 / P_SCALE) / safe_sum[:, None] + poison
     tl.store(PartOut + part_row[:, None] * HEAD_DIM + channels[None, :], out, mask=row_ok[:, None])
-    lse = tl.where(running_sum == 0, -_FP32_INF, running_max + tl.log(safe_sum)) + poison
+    lse = tl.where(running_sum == 0, -FP32_INF, running_max + tl.log(safe_sum)) + poison
     tl.store(PartLse + part_row, lse, mask=row_ok)
     if CERTIFICATE:
         store_certificate_partials(

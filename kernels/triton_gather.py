@@ -12,11 +12,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from witcert.kernels.triton_kernels import _FP32_INF, _by_channel, dither_rows, stored_code_values, token_head_rows
+from witcert.kernels.triton_kernels import FP32_INF, by_channel, dither_rows, stored_code_values, token_head_rows
 
 
 @triton.jit
-def _gather_dequantize(
+def gather_dequantize(
     Slots,
     Codes,
     Scales,
@@ -103,7 +103,7 @@ def _gather_side(
         value = value - dither_rows(
             seed, slots, layer, head_word, rows, HEADS_PAD, HEAD_DIM, DITHER_BITS, KIND_BIT == 1
         )
-    x_hat = _by_channel(scales.to(tl.float32), rows, num_groups, GROUP_SIZE) * value
+    x_hat = by_channel(scales.to(tl.float32), rows, num_groups, GROUP_SIZE) * value
     if HAS_OUTLIERS:
         outlier = tl.load(OutlierIndex + head[:, None] * HEAD_DIM + channels[None, :])
         exact = tl.load(
@@ -112,7 +112,7 @@ def _gather_side(
             other=0.0,
         )
         x_hat = tl.where(outlier >= 0, exact.to(tl.float32), x_hat)
-    x_hat = tl.where(slot_ok[:, None], x_hat, _FP32_INF - _FP32_INF)
+    x_hat = tl.where(slot_ok[:, None], x_hat, FP32_INF - FP32_INF)
     out = Out + (tokens.to(tl.int64) * NUM_KV_HEADS + head)[:, None] * HEAD_DIM + channels[None, :]
     if Out.dtype.element_ty == tl.bfloat16:
         # Round to nearest even by bits: Triton's interpreter truncates a float32 -> bf16 conversion. The

@@ -26,9 +26,9 @@ import triton.language as tl
 # 1.5 * 2**23: adding it rounds a float32 |y| < 2**22 to the nearest integer, ties to even (exactly
 # torch.round), and leaves that integer in the sum's low mantissa bits (the write kernel's codes).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
-_FP32_INF = tl.constexpr(float("inf"))
+FP32_INF = tl.constexpr(float("inf"))
 # Weights p~ <= 1 scaled by 2**14 before their fp16 split (nearest-V output path).
-_P_SCALE = tl.constexpr(16384.0)
+P_SCALE = tl.constexpr(16384.0)
 # NaN is written inline as inf - inf: a NaN global never equals itself, which Triton reads as a changed global.
 
 
@@ -177,7 +177,7 @@ def expm1_and_g(u):
 @triton.jit
 def mul_nonneg(a, b):
     """Product of non-negative bounds; an infinite factor gives +inf, never NaN (as the reference)."""
-    return tl.where((a == _FP32_INF) | (b == _FP32_INF), _FP32_INF, a * b)
+    return tl.where((a == FP32_INF) | (b == FP32_INF), FP32_INF, a * b)
 
 
 @triton.jit
@@ -185,7 +185,7 @@ def weighted(weight, x):
     """``mul_nonneg(weight, x)`` for a softmax weight (finite, in [0, 1]) and a bound ``x >= 0``, with one
     comparison less: only ``x`` can be infinite, and then so is the product, also where the weight
     underflowed to 0."""
-    return tl.where(x == _FP32_INF, x, weight * x)
+    return tl.where(x == FP32_INF, x, weight * x)
 
 
 @triton.jit
@@ -193,7 +193,7 @@ def inf_where_nan(total):
     """A sum of non-negative weighted terms is NaN only through ``0 * inf``: a weight that underflowed to 0
     next to an overflowed factor. That term is +inf, as in the reference (``mul_nonneg``): its token's true
     logit may lie above the max. One test per sum instead of one per term (``weighted``)."""
-    return tl.where(total == total, total, _FP32_INF)
+    return tl.where(total == total, total, FP32_INF)
 
 
 @triton.jit
@@ -246,7 +246,7 @@ def softmax_tile(logits, running_max, running_sum):
     live token yet (all masked or skipped) keeps its max at -inf and shifts by 0, so it adds nothing."""
     tile_max = tl.max(logits, axis=1)
     new_max = tl.maximum(running_max, tile_max)
-    shift = tl.where(new_max == -_FP32_INF, 0.0, new_max)
+    shift = tl.where(new_max == -FP32_INF, 0.0, new_max)
     alpha = tl.exp(running_max - shift)
     weights = tl.exp(logits - shift[:, None])
     return tile_max, new_max, shift, alpha, weights, running_sum * alpha + tl.sum(weights, axis=1)
@@ -311,7 +311,7 @@ def store_certificate_partials(
 
 
 @triton.jit
-def _by_channel(per_group, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
+def by_channel(per_group, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
     """``[N, NG]`` -> ``[N, NG * G]``: each group's value over its channels."""
     return tl.reshape(tl.broadcast_to(per_group[:, :, None], (N, NUM_GROUPS, GROUP_SIZE)), (N, NUM_GROUPS * GROUP_SIZE))
 
@@ -370,7 +370,7 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
-def _write_kernel(
+def write_kernel(
     X,
     Slots,
     Codes,
@@ -445,10 +445,10 @@ def _write_kernel(
     # is RN(x / s). Checked exhaustively: every fp16 s with every fp16 or bf16 x. The one exception is
     # underflow: for a bf16 x so tiny that the remainder is subnormal the quotient can be an ulp off, but
     # then |x / s| < 2**-102, far too small to move the rounding of x / s + xi (or of x / s alone).
-    channel_reciprocal = _by_channel(reciprocal, rows, num_groups, GROUP_SIZE)
+    channel_reciprocal = by_channel(reciprocal, rows, num_groups, GROUP_SIZE)
     first = x * channel_reciprocal
     # The scale negated per group, not the product per element (a negated product costs a second multiply).
-    remainder = tl.fma(first, _by_channel(-safe_scale, rows, num_groups, GROUP_SIZE), x)
+    remainder = tl.fma(first, by_channel(-safe_scale, rows, num_groups, GROUP_SIZE), x)
     scaled = tl.fma(remainder, channel_reciprocal, first)
     if DITHER:
         head_word = tl.arange(0, HEADS_PAD).to(tl.uint32)[:, None] | tl.full((), KIND_BIT << 31, tl.uint32)
@@ -608,7 +608,7 @@ def pv_nearest(
     """
     channel_scale = tl.reshape(tl.broadcast_to(v_scales[:, :, None], (N, NUM_GROUPS, GROUP_SIZE)), (N, HEAD_DIM))
     v_hi, v_lo = _scaled_fp16_pair(_code_operand(v_codes, tl.float16, INTERPRETED), channel_scale, INTERPRETED)
-    scaled = weights * _P_SCALE
+    scaled = weights * P_SCALE
     p_hi = scaled.to(tl.float16)
     p_mid = (scaled - p_hi.to(tl.float32)).to(tl.float16)
     acc = acc * alpha[:, None]
@@ -618,7 +618,7 @@ def pv_nearest(
 
 
 @triton.jit
-def _decode_stage1(
+def decode_stage1(
     Q,
     KCodes,
     KScales,
@@ -701,7 +701,7 @@ def _decode_stage1(
     sigma_coef = sm_scale * sm_scale / 12.0
     bias_coef = sm_scale * beta
 
-    running_max = tl.full((BLOCK_H,), -_FP32_INF, tl.float32)
+    running_max = tl.full((BLOCK_H,), -FP32_INF, tl.float32)
     running_sum = tl.zeros((BLOCK_H,), tl.float32)
     if V_DITHER:
         acc = tl.zeros((num_groups, BLOCK_H, GROUP_SIZE), tl.float32)
@@ -773,7 +773,7 @@ def _decode_stage1(
             # fp16/bf16 products are exact in fp32; few channels, so no dot.
             exact_part = tl.sum(q_outliers.to(tl.float32)[:, None, :] * k_exact.to(tl.float32)[None, :, :], axis=2)
             logits += exact_part * sm_scale
-        logits = tl.where(token_ok[None, :], logits, -_FP32_INF)
+        logits = tl.where(token_ok[None, :], logits, -FP32_INF)
 
         tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
 
@@ -818,12 +818,12 @@ def _decode_stage1(
     if V_DITHER:
         out = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_H, HEAD_DIM))
     else:
-        out = acc * (1.0 / _P_SCALE)
+        out = acc * (1.0 / P_SCALE)
     if HAS_OUTLIERS:
         one_hot = (outlier_channel[:, None] == channels[None, :]) & outlier_ok[:, None]  # [M, D]
         out += tl.sum(tl.where(one_hot[None, :, :], acc_outliers[:, :, None], 0.0), axis=1)
     safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
-    poison = tl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
+    poison = tl.where(slots_ok, 0.0, (FP32_INF - FP32_INF))
     part_row = (row * num_q_heads + heads) * NUM_SPLITS + split
     tl.store(
         PartOut + part_row[:, None] * HEAD_DIM + channels[None, :],
@@ -831,7 +831,7 @@ def _decode_stage1(
         mask=head_ok[:, None],
     )
     empty = running_sum == 0
-    tl.store(PartLse + part_row, tl.where(empty, -_FP32_INF, running_max + tl.log(safe_sum)) + poison, mask=head_ok)
+    tl.store(PartLse + part_row, tl.where(empty, -FP32_INF, running_max + tl.log(safe_sum)) + poison, mask=head_ok)
     if CERTIFICATE:
         store_certificate_partials(
             PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, head_ok, running_max, safe_sum, poison,
@@ -840,7 +840,7 @@ def _decode_stage1(
 
 
 @triton.jit
-def _decode_stage2(
+def decode_stage2(
     PartOut,
     PartLse,
     PartMax,
@@ -873,31 +873,31 @@ def _decode_stage2(
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < NUM_SPLITS
     part = (row * NUM_Q_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(PartLse + part, mask=split_ok, other=-_FP32_INF)
+    lse = tl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
     total = tl.max(lse, axis=0)
-    has_tokens = total > -_FP32_INF
+    has_tokens = total > -FP32_INF
     safe_total = tl.where(has_tokens, total, 0.0)
-    weight = tl.where(lse > -_FP32_INF, tl.exp(lse - safe_total), 0.0)
-    weight = tl.where(lse != lse, (_FP32_INF - _FP32_INF), weight)  # a poisoned split poisons the row
+    weight = tl.where(lse > -FP32_INF, tl.exp(lse - safe_total), 0.0)
+    weight = tl.where(lse != lse, (FP32_INF - FP32_INF), weight)  # a poisoned split poisons the row
     weight_sum = tl.sum(weight, axis=0)
-    global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -_FP32_INF)
-    global_lse = tl.where(weight_sum != weight_sum, (_FP32_INF - _FP32_INF), global_lse)
+    global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
+    global_lse = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
     norm = tl.where(has_tokens, weight / weight_sum, 0.0)
     channels = tl.arange(0, HEAD_DIM)
     parts = tl.load(PartOut + part[:, None] * HEAD_DIM + channels[None, :], mask=(norm > 0)[:, None], other=0.0)
     out = tl.sum(tl.where((norm > 0)[:, None], norm[:, None] * parts, 0.0), axis=0)
-    out = out + tl.where(weight_sum == weight_sum, 0.0, (_FP32_INF - _FP32_INF))
+    out = out + tl.where(weight_sum == weight_sum, 0.0, (FP32_INF - FP32_INF))
     tl.store(Out + row * stride_ob + head * stride_oh + channels, out.to(Out.dtype.element_ty))
     tl.store(Lse + row * NUM_Q_HEADS + head, global_lse)
     if CERTIFICATE:
-        split_max = tl.load(PartMax + part, mask=split_ok, other=-_FP32_INF)
+        split_max = tl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
         a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
         b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
         u_rest_parts = tl.load(PartURest + part, mask=split_ok, other=0.0)
         p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
         u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
-        live = split_ok & (lse > -_FP32_INF)
-        winner = tl.argmax(tl.where(live, split_max, -_FP32_INF), axis=0, tie_break_left=True)
+        live = split_ok & (lse > -FP32_INF)
+        winner = tl.argmax(tl.where(live, split_max, -FP32_INF), axis=0, tie_break_left=True)
         is_winner = splits == winner
         # p~ of each split's own argmax token: exp(max_s - LSE).
         p_arg = tl.where(live, tl.exp(split_max - tl.where(has_tokens, global_lse, 0.0)), 0.0)
@@ -914,7 +914,7 @@ def _decode_stage2(
         p_max = tl.sum(tl.where(is_winner & live, p_arg, 0.0), axis=0)
         u_max = tl.sum(tl.where(is_winner & live, u_parts, 0.0), axis=0)
         nan_in = (tl.sum(tl.where(split_ok & (lse != lse), 1, 0), axis=0) > 0) | (weight_sum != weight_sum)
-        poison = tl.where(nan_in, (_FP32_INF - _FP32_INF), 0.0)
+        poison = tl.where(nan_in, (FP32_INF - FP32_INF), 0.0)
 
         e_m = tl.exp(u_max)
         expm1_m, g_m = expm1_and_g(u_max)
@@ -935,7 +935,7 @@ def _decode_stage2(
 
 
 @triton.jit
-def _decode_stage1_fp16(
+def decode_stage1_fp16(
     Q,
     KCache,
     VCache,
@@ -967,7 +967,7 @@ def _decode_stage1_fp16(
     kv_start, _, lo, hi, _ = split_range(KvStart, KvLen, row, split, 2**31 - 1, NUM_SPLITS, BLOCK_N)
     channels = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + channels[None, :], mask=head_ok[:, None], other=0.0)
-    running_max = tl.full((BLOCK_H,), -_FP32_INF, tl.float32)
+    running_max = tl.full((BLOCK_H,), -FP32_INF, tl.float32)
     running_sum = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
     for start in range(lo, hi, BLOCK_N):
@@ -977,7 +977,7 @@ def _decode_stage1_fp16(
         base = slots * NUM_KV_HEADS + kv_head
         k = tl.load(KCache + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0.0)
         logits = tl.dot(q, tl.trans(k)) * sm_scale
-        logits = tl.where(token_ok[None, :], logits, -_FP32_INF)
+        logits = tl.where(token_ok[None, :], logits, -FP32_INF)
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
         alpha = tl.exp(running_max - new_max)
         weights = tl.exp(logits - new_max[:, None])
@@ -988,5 +988,5 @@ def _decode_stage1_fp16(
     safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
     part_row = (row * num_q_heads + heads) * NUM_SPLITS + split
     tl.store(PartOut + part_row[:, None] * HEAD_DIM + channels[None, :], acc / safe_sum[:, None], mask=head_ok[:, None])
-    lse = tl.where(running_sum == 0, -_FP32_INF, running_max + tl.log(safe_sum))
+    lse = tl.where(running_sum == 0, -FP32_INF, running_max + tl.log(safe_sum))
     tl.store(PartLse + part_row, lse, mask=head_ok)

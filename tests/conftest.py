@@ -20,7 +20,7 @@ def reference_kernels(monkeypatch):
 
 
 def _exact_extend(monkeypatch, tiled: bool) -> None:
-    from witcert.kernels.attention import LAUNCH
+    from witcert.kernels.launch import LAUNCH
 
     monkeypatch.setattr(LAUNCH, "extend_tiled", tiled)
     monkeypatch.setattr(LAUNCH, "extend_sdpa", False)

@@ -173,7 +173,7 @@ def _block_layout(self: tl.block_type) -> None:
 
 def emulated(module: types.ModuleType) -> types.SimpleNamespace:
     """``module`` (``gluon_decode`` or another version of it) with its kernels runnable in Triton's interpreter:
-    an object with the attributes ``attention.py`` reads (``_decode_stage1_gluon[grid](...)``, ``HEADS``,
+    an object with the attributes ``attention.py`` reads (``decode_stage1_gluon[grid](...)``, ``HEADS``,
     ``NUM_WARPS``, ``supports``). Needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` was imported (its
     helpers, which the Gluon kernel calls, must be interpreted too)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -197,7 +197,7 @@ def emulated(module: types.ModuleType) -> types.SimpleNamespace:
             )
             namespace[name] = InterpretedFunction(function)
     return types.SimpleNamespace(
-        _decode_stage1_gluon=namespace["_decode_stage1_gluon"],
+        decode_stage1_gluon=namespace["decode_stage1_gluon"],
         HEADS=module.HEADS,
         NUM_WARPS=module.NUM_WARPS,
         supports=module.supports,

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import importlib.util
 import math
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from witcert.kernels import KVPool, decode_attention, extend_attention, reference, select_path
-
-WHATIF_STAGE1 = Path(__file__).resolve().parents[1] / "bench" / "whatif_stage1.py"
-
-
-def python_module(path: Path, name: str) -> ModuleType:
-    """The Python file ``path`` loaded as a module named ``name`` (bench scripts and what-if kernels are not on
-    the import path)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def interpreter_only(gpu_tests: str) -> pytest.MarkDecorator:

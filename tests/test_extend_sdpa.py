@@ -11,8 +11,8 @@ from kernel_cases import extend_oracle, filled_pool, relative_error
 from torch.overrides import TorchFunctionMode
 
 from witcert.kernels import extend_sdpa
-from witcert.kernels.attention import LAUNCH
 from witcert.kernels.extend_bounds import EqualRun, ExtendBounds, equal_runs
+from witcert.kernels.launch import LAUNCH
 
 DELTA = 1e-3
 

@@ -1,13 +1,9 @@
 """The Gluon decode stage 1 against the reference on CPU, run in Triton's interpreter with its layouts dropped and
 its inline PTX emulated (tests/gluon_emulation.py). The GPU runs the same cases compiled (test_kernels_gpu.py).
-
-Also the what-ifs of bench/whatif_stage1.py: those that keep the contract must pass, and those that change it
-must not (which shows these tests can tell).
 """
 
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +15,6 @@ import numpy as np  # noqa: E402
 import ptx_subset  # noqa: E402
 from gluon_emulation import _neg_codes, _v_pairs, emulated  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    WHATIF_STAGE1,
     assert_matches_oracle,
     far_token_case,
     filled_pool,
@@ -28,7 +23,6 @@ from kernel_cases import (  # noqa: E402
     non_finite_token_readers,
     oracle,
     overflowing_query_case,
-    python_module,
     relative_error,
 )
 
@@ -43,14 +37,9 @@ KERNEL_WRITE = witcert.kernels.KVPool.write
 
 @pytest.fixture
 def run_gluon(monkeypatch):
-    """Decode's stage 1 is the emulated Gluon kernel wherever it covers the call; call the fixture with another
-    version of ``gluon_decode`` (a module) to run that one instead."""
-
-    def use(module=gluon_decode) -> None:
-        monkeypatch.setattr(witcert.kernels, "gluon_decode", emulated(module))
-        monkeypatch.setattr(attention, "_runs_gluon", lambda q, pool, kv_indices: attention.gluon_covers(q.dtype, pool))
-
-    use()
+    """Decode's stage 1 is the emulated Gluon kernel wherever it covers the call."""
+    monkeypatch.setattr(witcert.kernels, "gluon_decode", emulated(gluon_decode))
+    monkeypatch.setattr(attention, "_runs_gluon", lambda q, pool, kv_indices: attention.gluon_covers(q.dtype, pool))
 
     # Pools are written by the reference (bit-identical to the write kernel, whose contract tests are in
     # test_kernels_contract.py): in the interpreter the write kernel's NaN-propagating maximum is a reduction in
@@ -61,7 +50,6 @@ def run_gluon(monkeypatch):
             return KERNEL_WRITE(self, *args, **kwargs)
 
     monkeypatch.setattr(witcert.kernels.KVPool, "write", reference_write)
-    return use
 
 
 def _query(rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -166,38 +154,6 @@ def test_emulated_gluon_rescales_bf16_queries_outside_the_fp16_range(run_gluon, 
     result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA, num_kv_splits=2)
     assert result.path == "gluon-gpu"
     assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA, sm_scale=sm_scale)
-
-
-def _whatif(name: str, tmp_path: Path):
-    """bench/whatif_stage1.py's ``name`` applied to the Gluon stage 1, as a module."""
-    whatif = python_module(WHATIF_STAGE1, "whatif_stage1")
-    path = tmp_path / f"stage1_{name}.py"
-    path.write_text(whatif.variant(name, whatif.SOURCE.read_text()))
-    return python_module(path, f"stage1_{name}")
-
-
-def _whatif_decode(run_gluon, name: str, tmp_path: Path) -> None:
-    run_gluon(_whatif(name, tmp_path))
-    lengths = [400, 129]
-    pool, indptr, slots = filled_pool(lengths, kv_heads=1, v_dither=False)
-    q = _query(len(lengths), 7)
-    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
-    assert result.path == "gluon-gpu"
-    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
-
-
-@pytest.mark.parametrize("name", ["qshared", "nobranch", "qkahead", "pipelined", "threadarg", "qkahead+threadarg"])
-def test_whatifs_that_keep_the_contract_match_the_reference(run_gluon, name, tmp_path):
-    """Code changes timed as what-ifs compute what the kernel does, before any GPU time is spent on them."""
-    _whatif_decode(run_gluon, name, tmp_path)
-
-
-@pytest.mark.parametrize(("name", "message"), [("halfpv", "row 0"), ("blockradius", "not close")])
-def test_whatifs_that_change_the_contract_are_told_apart(run_gluon, name, message, tmp_path):
-    """A half-precision output (``halfpv``: the output check fails) and one radius per 32 tokens
-    (``blockradius``: the certificate check fails) differ from the reference, and the emulation sees it."""
-    with pytest.raises(AssertionError, match=message):
-        _whatif_decode(run_gluon, name, tmp_path)
 
 
 # --- the emulation's asm blocks against their PTX ------------------------------------------------------------

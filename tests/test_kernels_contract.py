@@ -39,6 +39,7 @@ from witcert.kernels import (  # noqa: E402
     reference,
 )
 from witcert.kernels.attention import wave_splits  # noqa: E402
+from witcert.kernels.launch import LaunchConfig  # noqa: E402
 from witcert.kernels.pool import decode_codes, encode_codes  # noqa: E402
 
 pytestmark = interpreter_only("GPU runs are in test_kernels_gpu.py")
@@ -297,13 +298,13 @@ def test_default_splits_fill_whole_waves():
 
 
 def test_programs_per_sm_follow_the_register_caps():
-    config = attention.LaunchConfig()
+    config = LaunchConfig()
     assert config.gluon_programs_per_sm(True) == config.gluon_programs_per_sm(False) == 3  # 168 registers
-    assert attention.LaunchConfig(gluon_maxnreg=128).gluon_programs_per_sm(True) == 4
-    assert attention.LaunchConfig(gluon_maxnreg_nocert=None).gluon_programs_per_sm(False) == 2
+    assert LaunchConfig(gluon_maxnreg=128).gluon_programs_per_sm(True) == 4
+    assert LaunchConfig(gluon_maxnreg_nocert=None).gluon_programs_per_sm(False) == 2
     assert config.programs_per_sm() == 2  # the Triton kernel, uncapped at 4 warps
-    assert attention.LaunchConfig(num_warps=8).programs_per_sm() == 1
-    assert attention.LaunchConfig(maxnreg=168).programs_per_sm() == 3
+    assert LaunchConfig(num_warps=8).programs_per_sm() == 1
+    assert LaunchConfig(maxnreg=168).programs_per_sm() == 3
 
 
 def test_an_overflowing_radius_counts_where_its_weight_underflows():
@@ -319,8 +320,8 @@ def test_an_overflowing_radius_counts_where_its_weight_underflows():
 @pytest.mark.parametrize("zero_groups", [False, True], ids=["random-keys", "zero-groups"])
 def test_an_overflowing_radius_gives_an_infinite_certificate(zero_groups):
     """A radius beyond float32 is a valid, infinite bound: +inf in the reference and the kernel, never NaN
-    (the reference's ``g(inf)`` was ``inf - inf`` until session 10, and a zero group scale times the
-    overflowed ``|q_g|^2`` was ``0 * inf`` until session 11)."""
+    (``g(inf)`` is not ``inf - inf``, and a zero group scale times the overflowed ``|q_g|^2`` is not
+    ``0 * inf``)."""
     pool, indptr, slots, q, sm_scale = overflowing_query_case(zero_groups=zero_groups)
     result = decode_attention(q, pool, 1, indptr, slots, sm_scale=sm_scale, delta_step=DELTA, num_kv_splits=2)
     for row in range(2):
@@ -339,8 +340,8 @@ def test_an_overflowing_radius_gives_an_infinite_certificate(zero_groups):
 def test_a_non_finite_value_written_unvalidated_poisons_only_its_readers(value, side):
     """A NaN or inf in K or V cannot be quantized; written without validation (the GPU default) it must not
     come back as finite codes: the row that reads the token gets a non-finite output and, for K, no finite
-    certificate; the other row is untouched. (Before session 11 a NaN key was written as a finite scale and
-    garbage codes: a finite output and certificate.)"""
+    certificate; the other row is untouched. (A NaN key written as a finite scale and arbitrary codes would
+    give a finite output and certificate.)"""
     assert non_finite_token_readers("cpu", value, side, delta=DELTA) == "triton-interpreter"
 
 

@@ -28,7 +28,8 @@ from witcert.kernels import (
     extend_sdpa,
     reference,
 )
-from witcert.kernels.attention import LAUNCH, gluon_supports
+from witcert.kernels.attention import gluon_supports
+from witcert.kernels.launch import LAUNCH
 from witcert.kernels.pool import encode_codes
 
 pytestmark = [

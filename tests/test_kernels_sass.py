@@ -14,20 +14,25 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
 
-@pytest.fixture(scope="module")
-def loop_opcodes() -> dict[str, dict[str, int]]:
+def _loop_opcodes(kernel: str) -> dict[str, dict[str, int]]:
+    """``tests/sass.py KERNEL``'s opcode counts of the compiled token loop, per variant."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "witcert.kernels.sass", "gluon"], env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, str(Path(__file__).with_name("sass.py")), kernel]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def loop_opcodes() -> dict[str, dict[str, int]]:
+    return _loop_opcodes("gluon")
 
 
 @pytest.mark.parametrize("q_dtype", ["fp16", "bf16"])
@@ -45,9 +50,8 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
     # codes (V's rows are K's, shuffled within the warp) and once for each side's scale copies.
     assert loop.get("LDG", 0) <= 5, "codes, scales or extra slot indices are read from global memory"
     # The loop's values fit the register cap: without the certificate nothing spills to local memory, and
-    # with it a few values per tile. Session 14: fp16 / bf16 queries 0 / 1 with Triton 3.6 (the H200's), 2 / 10
-    # with 3.9 (CI's), whose register allocation moves with small changes (5-6 a commit earlier); session 7:
-    # 2 and 3; session 6 had 14.
+    # with it a few values per tile (fp16 / bf16 queries: 0 / 1 with Triton 3.6, the H200's; 2 / 10 with 3.9,
+    # CI's, whose register allocation moves by several with small changes).
     assert loop.get("STL", 0) <= (10 if certificate else 0), "the token loop spills to local memory"
     # Per warp and 128-token tile: QK 4 groups x 2 row tiles x 2 k steps = 16 (K's dither enters the start
     # value, not an MMA), PV 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48; the radius
@@ -61,7 +65,7 @@ def test_gluon_dithered_v_keeps_the_copies_and_mmas_of_the_token_loop(loop_opcod
     sums ``W_g``, ``Z_g`` over V's scales read once more (``_dither_sums``); its loop keeps V rounded's copies,
     MMAs, barriers and lack of register-to-shared stores, with one more load of slot indices (the tokens' own,
     for the Philox counters). Spills: none without the certificate; with it, 22 (Triton 3.6) and 28 (3.9)
-    stores a tile in session 15's version."""
+    stores a tile."""
     loop = loop_opcodes[f"fp16 {certificate} vdither"]
     assert loop.get("STS", 0) == 0, "registers are staged through shared memory in the token loop"
     assert loop.get("BAR", 0) == 4
@@ -84,8 +88,8 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
 
 
 def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
-    """Since session 15 the Gluon stage 1 computes a dithered V's output too; 16- and 24-bit dithers and outlier
-    channels stay with the Triton kernel."""
+    """The Gluon stage 1 computes a dithered V's output too; 16- and 24-bit dithers and outlier channels stay
+    with the Triton kernel."""
     import torch
 
     from witcert.kernels import gluon_decode
@@ -96,60 +100,9 @@ def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
     assert not gluon_decode.supports(**{**shape, "outliers": 2}, rows=1)
 
 
-def _token_loop(source: str) -> str:
-    """The Gluon stage 1's token loop in ``source``: from its ``for`` to the wait after it."""
-    loop = source[source.index("    for start in range(lo, hi, BLOCK_N):") :]
-    return loop[: loop.index("    async_copy.wait_group(0)")]
-
-
-@pytest.mark.parametrize(
-    "name", ["blockradius", "qshared", "halfpv", "all", "nobranch", "copyonly", "qkahead", "pipelined", "threadarg"]
-)
-def test_whatif_variants_still_apply_to_the_gluon_stage_1(name):
-    """bench/whatif_stage1.py edits the kernel's text; each edit must still find its anchor, or the what-if
-    timings in docs/KERNELS.md could not be reproduced."""
-    from kernel_cases import WHATIF_STAGE1, python_module
-
-    module = python_module(WHATIF_STAGE1, "whatif_stage1")
-    source = module.SOURCE.read_text()
-    edited = module.variant(name, source)
-    assert edited != source
-    if name in ("blockradius", "all"):
-        assert "g_of(radius, True)" not in edited
-    if name == "qshared":
-        assert "q_ops[g].load(_OP_B)" in edited
-    if name in ("halfpv", "all"):
-        assert "fma.rn.f16x2" not in edited and "mma_v2(v_hi, p_mid" not in edited
-    if name in ("nobranch", "pipelined"):
-        assert "_RESCALE_ASM, _RESCALE_CONSTRAINTS" not in edited
-    if name == "copyonly":
-        loop = _token_loop(edited)
-        for gone in ("_qk_group(", "_pv_tokens(", "_exp2(", "_radius("):
-            assert gone not in loop, gone
-        for kept in ("_copy_k(", "_copy_v(", "_copy_scales(", "async_copy.wait_group(1)"):
-            assert kept in loop, kept
-    if name == "threadarg":
-        loop = _token_loop(edited)
-        # No reduction over the tokens' lanes in the loop's certificate: the argmax is the thread's own.
-        assert "tile_arg" not in loop and "gl.reshape(logits, [4, 4, 8, 8])" in loop
-        assert "winner = holder == " in edited
-    if name in ("qkahead", "pipelined"):
-        loop = _token_loop(edited)
-        # The next tile's QK comes before this tile's softmax.
-        assert loop.index("next_logits = _qk_tile(") < loop.index("tile_max = gl.max(logits, axis=1)")
-        assert "gl.allocate_shared_memory(gl.float16, [3, BLOCK_N, 4], _ROW_MAJOR_2D)" in edited
-    compile(edited, f"whatif_{name}", "exec")
-
-
 def test_tiled_extend_compiles_for_sm90_on_the_tensor_cores():
     """CI has no GPU to run the tiled extend kernel on; it compiles it, with and without the certificate, for
     the H200's architecture and checks that its dots reach the tensor cores (wgmma or mma.sync)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "witcert.kernels.sass", "extend"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loops = json.loads(done.stdout.strip().splitlines()[-1])
-    for variant, loop in loops.items():
+    for variant, loop in _loop_opcodes("extend").items():
         # Four groups of two QK dots and three PV dots per tile, each at least one tensor-core instruction.
         assert loop.get("HGMMA", 0) + loop.get("HMMA", 0) >= 11, variant

@@ -1,6 +1,6 @@
 """The write kernel's division-free arithmetic, checked over every input it can meet (slow: C, about 5 s).
 
-``kernels/triton_kernels._write_kernel`` rests on three float facts that no sample of random tests can
+``kernels/triton_kernels.write_kernel`` rests on three float facts that no sample of random tests can
 establish; the C programs in ``tests/exhaustive/`` check each over every fp16 scale (and every fp16 or
 bf16 input), in IEEE float32 with fma as the GPU computes them:
 

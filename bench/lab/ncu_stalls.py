@@ -3,11 +3,9 @@
 Also the share of long-scoreboard samples spent waiting to overwrite a register that an asynchronous copy
 (``LDGSTS``) issued just before still has to read as its address (``copy_address_waits``).
 
-Input: the SASS source page of an ``ncu`` report exported as CSV (``bench/profile_decode.py``'s docstring
+Input: the SASS source page of an ``ncu`` report exported as CSV (``bench/lab/profile_decode.py``'s docstring
 has both commands), e.g. ``ncu -i stage1.ncu-rep --page source --csv --print-source sass > stage1_sass.csv``,
-then ``python bench/ncu_stalls.py stage1_sass.csv`` (gzipped CSVs are read as they are). The stall shares
-in docs/KERNELS.md come from this, on ``bench/results/ncu_stage1_cert_s3.csv.gz`` (session 3's kernel, 128
-registers) and ``bench/results/ncu_stage1_cert_pipelined.csv.gz`` (pipelined, no cap), B = 32, S = 16k.
+then ``python bench/lab/ncu_stalls.py stage1_sass.csv`` (gzipped CSVs are read as they are).
 """
 
 from __future__ import annotations

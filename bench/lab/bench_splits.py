@@ -7,7 +7,7 @@ default, ``default_num_kv_splits``) are timed in one process as the median of CU
 Inputs rotate among copies so that each call reads at least 512 MB (no L2 hits). The cap decides how many
 programs an SM holds (168: three, none: two), the splits how many waves they make.
 
-Example: ``python bench/bench_splits.py --configs '[[168, 3], [null, 2]]' --shapes '[[32, 16384]]'``.
+Example: ``python bench/lab/bench_splits.py --configs '[[168, 3], [null, 2]]' --shapes '[[32, 16384]]'``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from witcert.kernels import KVPool, decode_attention, reference
-from witcert.kernels.attention import LAUNCH
+from witcert.kernels.launch import LAUNCH
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 

@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# The GPU work of one session on the device machine, in stages that each fit one call of the device tool
-# (10 minutes at most). Run from the repository root; results go to $OUT (default bench/results/tmp).
+# GPU runs on the device machine, in stages that each fit one call of the device tool (10 minutes at most).
+# Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
-#   bash bench/device_session.sh validate       # install, then the GPU contract tests (about 5 minutes)
-#   bash bench/device_session.sh table          # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
-#   bash bench/device_session.sh vdither        # the same with V dithered: Gluon (new in session 15) against Triton
-#   bash bench/device_session.sh memory         # where the time goes: the loop's copies alone, reads served by the L2
-#   bash bench/device_session.sh whatifs NAME.. # code changes that keep the contract, paired with the real kernel
-#                                               # (bench/whatif_stage1.py's names; about 2 minutes each, so two or
-#                                               # three a call: nobranch qkahead, then pipelined threadarg,
-#                                               # then qkahead+threadarg)
-#   bash bench/device_session.sh whatif_tests NAME  # the GPU tests of the Gluon stage 1 on a what-if that keeps
-#                                               # the contract (before promoting it into kernels/gluon_decode.py)
-#   bash bench/device_session.sh caps           # the Gluon register caps again (4 programs per SM at 128), and qshared's
-#   bash bench/device_session.sh profile [NAME] # ncu's issue, scheduler and stall figures at B = 32, S = 16k, for the
-#                                               # kernel or a what-if (about 2 minutes)
-#   bash bench/device_session.sh full           # the whole table of docs/KERNELS.md, V rounded to nearest
+#   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes)
+#   bash bench/lab/device_session.sh table           # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
+#   bash bench/lab/device_session.sh vdither         # the same with V dithered: the Gluon stage 1 against the Triton one
+#   bash bench/lab/device_session.sh memory          # the loop's copies alone, and the kernels with reads served by the L2
+#   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel
+#                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)
+#   bash bench/lab/device_session.sh whatif_tests NAME  # the Gluon GPU tests with a what-if in the kernel's place
+#   bash bench/lab/device_session.sh caps            # the Gluon register caps (4 programs per SM at 128), and qshared's
+#   bash bench/lab/device_session.sh profile [NAME]  # ncu's issue, scheduler and stall figures at B = 32, S = 16k,
+#                                                    # for the kernel or a what-if (about 2 minutes)
+#   bash bench/lab/device_session.sh full            # every size of bench_kernels.py, V rounded to nearest
 #
 # Every stage installs the package first (a fresh machine has only the checkout) and stops at the first error.
 set -euo pipefail
@@ -28,7 +25,7 @@ whatif_sizes=(--batches 32 --contexts 16384 65536)
 
 stages="validate table vdither memory whatifs whatif_tests caps profile full"
 if [[ " $stages " != *" $stage "* ]]; then
-    echo "usage: bash bench/device_session.sh {${stages// /|}}" >&2
+    echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e .
@@ -47,7 +44,7 @@ vdither)
     ;;
 memory)
     # Memory alone: the Gluon loop with its copies and nothing else, against the real kernel in one run.
-    python3 bench/whatif_stage1.py copyonly --output "$out/stage1_copyonly.py"
+    python3 bench/lab/whatif_stage1.py copyonly --output "$out/stage1_copyonly.py"
     python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_copyonly.py" \
         --variants sdpa_cudnn int8_nocert int8_cert base_nocert --output "$out/whatif_copyonly.json"
     # Everything but DRAM: the same kernels reading 16k slots (18 MB of int8 K and V) that the L2 holds.
@@ -55,38 +52,38 @@ memory)
         --variants int8_nocert int8_cert --output "$out/kernels_resident.json"
     ;;
 whatifs)
-    [[ $# -gt 1 ]] || { echo "whatifs: name the what-ifs to time (bench/whatif_stage1.py --help)" >&2; exit 2; }
+    [[ $# -gt 1 ]] || { echo "whatifs: name the what-ifs to time (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }
     for name in "${@:2}"; do
-        python3 bench/whatif_stage1.py "$name" --output "$out/stage1_$name.py"
+        python3 bench/lab/whatif_stage1.py "$name" --output "$out/stage1_$name.py"
         python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
             --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert --output "$out/whatif_$name.json"
     done
     ;;
 whatif_tests)
-    [[ $# -eq 2 ]] || { echo "whatif_tests: name one what-if (bench/whatif_stage1.py --help)" >&2; exit 2; }
+    [[ $# -eq 2 ]] || { echo "whatif_tests: name one what-if (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }
     # The what-if in the kernel's place for this call only (each call gets a fresh copy of the checkout).
-    python3 bench/whatif_stage1.py "$2" --output kernels/gluon_decode.py
+    python3 bench/lab/whatif_stage1.py "$2" --output kernels/gluon_decode.py
     python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider -k gluon 2>&1 \
         | tee "$out/gpu_tests_$2.log" | tail -25
     ;;
 caps)
-    # Since session 14 the loop without the certificate compiles at 128 registers with no spill (Triton 3.6).
+    # Without the certificate the loop compiles at 128 registers with no spill (Triton 3.6).
     caps=(--v-dither off --batches 32 --contexts 16384 --sweep gluon --variants sdpa_cudnn int8_nocert int8_cert)
     python3 bench/bench_kernels.py "${caps[@]}" --output "$out/sweep_caps.json"
-    python3 bench/whatif_stage1.py qshared --output kernels/gluon_decode.py  # this call's copy only
+    python3 bench/lab/whatif_stage1.py qshared --output kernels/gluon_decode.py  # this call's copy only
     python3 bench/bench_kernels.py "${caps[@]}" --output "$out/sweep_caps_qshared.json"
     ;;
 profile)
-    # What the certificate kernel waits on (docs/KERNELS.md, session 15: latency, not instructions or bytes).
+    # What the certificate kernel waits on: issue, scheduler, warp-state and occupancy figures.
     what="${2:-kernel}"
     stage1=()
     if [[ $# -ge 2 ]]; then
-        python3 bench/whatif_stage1.py "$2" --output "$out/stage1_$2.py"
+        python3 bench/lab/whatif_stage1.py "$2" --output "$out/stage1_$2.py"
         stage1=(--stage1-file "$out/stage1_$2.py")
     fi
-    ncu --clock-control none --kernel-name regex:_decode_stage1 --launch-skip 4 --launch-count 1 \
+    ncu --clock-control none --kernel-name regex:decode_stage1 --launch-skip 4 --launch-count 1 \
         --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section Occupancy \
-        python3 bench/profile_decode.py --batch 32 --context 16384 --certificate on ${stage1[@]+"${stage1[@]}"} \
+        python3 bench/lab/profile_decode.py --batch 32 --context 16384 --certificate on ${stage1[@]+"${stage1[@]}"} \
         > "$out/ncu_$what.txt" 2>&1
     tail -60 "$out/ncu_$what.txt"
     ;;

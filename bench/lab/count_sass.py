@@ -1,21 +1,19 @@
 """Static SASS of the int8 decode stage 1 for sm_90, compiled here without a GPU.
 
-The int8 kernels are limited by instruction issue and registers, not memory (docs/KERNELS.md), so the
-instructions per 128-token tile are the quantity to drive down; the timings come from
-``bench/bench_kernels.py`` on the H200. This compiles the Gluon stage 1 (``--kernel gluon``, the
-default; ``gluon_decode._decode_stage1_gluon`` with its register caps from ``LAUNCH``) or the Triton
-one (``--kernel triton``; ``triton_kernels._decode_stage1`` at ``LAUNCH``'s tile, warps and stages) at
-the benchmark's shape (Qwen2.5-7B: 4 KV heads of 7 query heads, D 128, G 32, 8-bit dithers, fp16
-query), disassembles it with the ``nvdisasm`` that Triton ships, and prints per variant the
+The timings come from ``bench/bench_kernels.py`` on the H200; this says what the compiled loop does. It
+compiles the Gluon stage 1 (``--kernel gluon``, the default; ``gluon_decode.decode_stage1_gluon`` with its
+register caps from ``LAUNCH``) or the Triton one (``--kernel triton``; ``triton_kernels.decode_stage1`` at
+``LAUNCH``'s tile, warps and stages) at the benchmark's shape (Qwen2.5-7B: 4 KV heads of 7 query heads, D 128,
+G 32, 8-bit dithers, fp16 query), disassembles it with the ``nvdisasm`` that Triton ships, and prints per variant the
 instructions of the whole kernel and of the token loop alone (one iteration per 128-token tile), the
 registers, the local-memory spill stores (all, and those in the loop), the most frequent opcodes and,
 with ``--by-line`` and ``--by-function``, which source lines and functions the loop's instructions come
 from; ``--by-pipe`` counts them per issuing pipe. ``--maxnreg`` compiles the Gluon stage 1 at another register
-cap, ``--stage1 FILE`` another version of it (a ``bench/whatif_stage1.py`` output, or ``git show
+cap, ``--stage1 FILE`` another version of it (a ``bench/lab/whatif_stage1.py`` output, or ``git show
 REV:kernels/gluon_decode.py``).
 
 Use the device's Triton version for figures that match its binaries (3.6 in 2026-12):
-``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/count_sass.py``.
+``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/lab/count_sass.py``.
 """
 
 from __future__ import annotations
@@ -23,13 +21,18 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import sys
 from pathlib import Path
 
 import triton
-from bench_kernels import load_stage1
 
-from witcert.kernels.attention import LAUNCH
-from witcert.kernels.sass import compile_cubin, profile
+from witcert.kernels.launch import LAUNCH
+
+# bench/ for bench_kernels; tests/ for sass, the compile-and-disassemble helper that CI's SASS tests use too.
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(_ROOT / "bench"), str(_ROOT / "tests")]
+from bench_kernels import load_stage1  # noqa: E402
+from sass import compile_cubin, profile  # noqa: E402
 
 
 def _enclosing_function(path: str, line: int) -> str:

@@ -2,27 +2,30 @@
 
 Nsight Compute's warp-state sampling says where a kernel's warps wait, per SASS instruction, e.g.::
 
-    ncu --clock-control none --kernel-name regex:_decode_stage1 --launch-skip 4 --launch-count 1 \\
+    ncu --clock-control none --kernel-name regex:decode_stage1 --launch-skip 4 --launch-count 1 \\
         --section WarpStateStats --section SchedulerStats --section SourceCounters -o stage1 \\
-        python bench/profile_decode.py --batch 32 --context 16384 --certificate on
+        python bench/lab/profile_decode.py --batch 32 --context 16384 --certificate on
     ncu -i stage1.ncu-rep --page source --csv --print-source sass > stage1_sass.csv
 
 The shape is Qwen2.5-7B's (28 query heads, 4 KV heads, head_dim 128), one layer, K dithered and V
 rounded to nearest, as in the benchmark. ``--stage1-file FILE`` profiles another version of
-``kernels/gluon_decode.py`` (a ``bench/whatif_stage1.py`` output) in its place.
+``kernels/gluon_decode.py`` (a ``bench/lab/whatif_stage1.py`` output) in its place.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
-from bench_kernels import load_stage1
 
 import witcert.kernels
 from witcert.kernels import KVPool, decode_attention
-from witcert.kernels.attention import LAUNCH
+from witcert.kernels.launch import LAUNCH
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for bench_kernels
+from bench_kernels import load_stage1  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 

@@ -1,10 +1,10 @@
-"""Static SASS of the int8 decode stage 1 for sm_90 (Hopper), compiled without a GPU.
+"""Static SASS of the int8 stage-1 kernels for sm_90 (Hopper), compiled without a GPU.
 
-The int8 kernels are limited by instruction issue and registers, not memory (docs/KERNELS.md): the
-instructions per 128-token tile are what ``bench/count_sass.py`` reports, and the tests check here that
-the Gluon kernel keeps its operands in registers (no shared-memory traffic in its token loop). The shape
-is the benchmark's: Qwen2.5-7B decode (4 KV heads of 7 query heads, D 128, G 32, 8-bit dithers, fp16
-queries). Figures match the H200's binaries only with the device's Triton version.
+``test_kernels_sass.py`` checks with it what the compiled Gluon token loop does (its copies, barriers, MMAs and
+spills) and that the tiled extend reaches the tensor cores; ``bench/lab/count_sass.py`` reports the loop's
+instructions per 128-token tile. The shape is the benchmark's: Qwen2.5-7B decode (4 KV heads of 7 query heads,
+D 128, G 32, 8-bit dithers, fp16 queries). Figures match the H200's binaries only with the device's Triton
+version.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from witcert.kernels import triton_kernels
-from witcert.kernels.attention import LAUNCH
+from witcert.kernels.launch import LAUNCH
 
 _POINTERS = dict(
     Q="fp16", KCodes="u8", KScales="fp16", KOutliers="fp16", VCodes="u8", VScales="fp16", VOutliers="fp16",
@@ -67,12 +67,12 @@ def compile_cubin(
         from witcert.kernels import gluon_decode
 
         gluon_decode = gluon_module or gluon_decode
-        kernel, source_type = gluon_decode._decode_stage1_gluon, GluonASTSource
+        kernel, source_type = gluon_decode.decode_stage1_gluon, GluonASTSource
         constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate, OFFSETS_64=offsets_64, V_DITHER=v_dither)
         cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
         options = {"num_warps": gluon_decode.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
     else:
-        kernel, source_type = triton_kernels._decode_stage1, ASTSource
+        kernel, source_type = triton_kernels.decode_stage1, ASTSource
         constants = dict(
             _SHAPE, BLOCK_N=LAUNCH.block_n, CERTIFICATE=certificate, V_DITHER=v_dither, OFFSETS_64=offsets_64
         )
@@ -102,7 +102,7 @@ def _compile_extend(q_dtype: str, certificate: bool) -> bytes:
     """The tiled extend kernel (``triton_extend``) at the benchmark's shape and ``LAUNCH``."""
     from witcert.kernels import triton_extend
 
-    kernel = triton_extend._extend_stage1
+    kernel = triton_extend.extend_stage1
     pointers = dict(
         Q=q_dtype, KCodes="u8", KScales="fp16", VCodes="u8", VScales="fp16", KAlpha="fp32", QoIndptr="i32",
         KvIndptr="i32", KvIndices="i32", BlockSequence="i32", BlockFirst="i32", PartOut="fp32", PartLse="fp32",
@@ -170,7 +170,7 @@ def profile(cubin: bytes) -> SassProfile:
 
 
 def main() -> None:
-    """``python -m witcert.kernels.sass KERNEL``: the token loop's opcode counts of both certificate variants,
+    """``python tests/sass.py KERNEL``: the token loop's opcode counts of both certificate variants,
     for fp16 and bf16 queries, as JSON keyed ``"<q dtype> <certificate>"``, and for the Gluon stage 1 also with
     a dithered V and fp16 queries (``"fp16 <certificate> vdither"``). Run in a fresh process: under
     ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions are interpreted, and a Gluon kernel cannot

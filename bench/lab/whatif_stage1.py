@@ -4,10 +4,9 @@ Each variant edits ``kernels/gluon_decode.py``'s text and writes the result to `
 the real kernel in one run with ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
-(``qshared``, ``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does: CI runs
-each emulated in Triton's interpreter against the reference (``tests/test_gluon_emulated.py``, which also sees
-``halfpv`` and ``blockradius`` fail), and ``bench/device_session.sh whatif_tests NAME`` runs the GPU contract
-tests on one compiled. None runs outside a benchmark:
+(``qshared``, ``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does, which
+``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one compiled
+in the kernel's place. CI does not test them. None runs outside a benchmark:
 
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
@@ -15,16 +14,14 @@ tests on one compiled. None runs outside a benchmark:
   ``fp16(s * code)`` against ``fp16(2**14 p)`` in one MMA per channel half, without the exact ``v_hi + v_lo``
   and ``p_hi + p_mid`` splits (three MMAs). The certificate is unchanged; the output rounds as half-precision
   attention does;
-* ``all``: ``blockradius`` and ``halfpv`` together, the cheapest kernel these contract changes allow. (Until
-  session 14 there were ``philox7``, ``nophilox``, ``both`` and ``floor`` too, cheaper or no streams for K's
-  per-slot dither; K has no per-slot dither since, so they have nothing left to change.)
+* ``all``: ``blockradius`` and ``halfpv`` together, the cheapest kernel these contract changes allow;
 * ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
   read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
   certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
   ``kernels/gluon_decode.py`` on the GPU machine and run ``bench_kernels.py --sweep gluon`` for that;
 * ``nobranch`` (a code change; computes what the real kernel does): the output's rescale by ``alpha`` as a
   plain multiply, without the branch that skips it where no max moved. The branch splits the loop into
-  blocks that the scheduler cannot interleave; this asks whether it still pays (session 8: 0-3.4%);
+  blocks that the scheduler cannot interleave; this asks whether it pays;
 * ``qkahead`` (a code change; computes what the real kernel does): QK one tile ahead of the softmax.
   Iteration i computes tile i + 1's logits first, then tile i's softmax, PV and certificate, so that one
   tile's MMA and reduction latencies overlap the other's work (what FlashAttention-3 calls intra-warpgroup
@@ -52,7 +49,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "gluon_decode.py"
+SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "gluon_decode.py"
 
 _BLOCKRADIUS = [
     (

@@ -6,7 +6,7 @@ kernels of one call with ``torch.profiler`` (ms per call) and the host functions
 calls. When the eager time is well above the kernels' sum, the call is bound by host time, and the ``cProfile``
 list says where. ``cProfile`` slows Python down several times, so its seconds rank functions; they are not timings.
 
-    python bench/profile_extend.py --shapes 64x0:128 8x~4096:256 --output bench/results/extend_profile_h200.txt
+    python bench/lab/profile_extend.py --shapes 64x0:128 8x~4096:256 --output bench/results/extend_profile_h200.txt
 """
 
 from __future__ import annotations
@@ -15,14 +15,17 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
 from pathlib import Path
 
 import torch
 import triton
-from bench_extend import make_batch, parse_shape
 from torch.profiler import ProfilerActivity, profile
 
 from witcert.kernels import ExtendBounds, extend_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for bench_extend
+from bench_extend import make_batch, parse_shape  # noqa: E402
 
 
 def profile_shape(shape: str, calls: int) -> str:

@@ -1,0 +1,69 @@
+"""Launch parameters of the attention kernels: tiles, register caps and which path takes a call.
+
+One module-level ``LAUNCH`` is read at every launch, so an engine (or the benchmark) can retune it once.
+``bench/bench_kernels.py --sweep {gluon,triton}`` times the alternatives on a GPU; docs/KERNELS.md has the
+measurements behind the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LaunchConfig:
+    """Tile and launch parameters of the stage-1 kernels and the extend paths."""
+
+    # The Triton stage 1's tile: the fastest of the tiles, warps and stages swept on the H200.
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    # A register cap for the Triton int8 stage 1 (ptxas .maxnreg): more programs per SM against spills.
+    maxnreg: int | None = None
+    # The Gluon stage 1 (kernels/gluon_decode.py) where it covers the call; False forces the Triton one.
+    gluon: bool = True
+    # ... on calls reading at least this many tokens (kv_indices' length, a shape: graph-safe). Below, its fixed
+    # cost (operand set-up, the merge of four warps) loses to the Triton kernel; above, it is the faster one.
+    gluon_min_tokens: int = 16384
+    # Its tile is fixed (128 tokens, 4 warps); its register caps (with and without the certificate) decide how
+    # many of its programs an SM holds (gluon_programs_per_sm) and so the default number of splits. At 168 an SM
+    # holds three, with at most a few spilled values; at 128 (four) the loop spills heavily and is slower;
+    # uncapped (two) times within a run's noise of 168.
+    gluon_maxnreg: int | None = 168
+    gluon_maxnreg_nocert: int | None = 168
+    # The tiled extend kernel (triton_extend), with or without the certificate; False runs one decode row per
+    # new token, which re-reads the prefix for every new token. 128 rows (16 new tokens of 8 padded heads),
+    # 64-key tiles and 8 warps: the fastest tiling with the certificate; the tilings that need more registers
+    # per thread (4 warps, 128-key tiles, 256 rows) spill.
+    extend_tiled: bool = True
+    extend_rows: int = 128
+    extend_block_n: int = 64
+    extend_num_warps: int = 8
+    # Extend without the certificate on PyTorch's SDPA over K/V gathered from the pool (kernels/extend_sdpa.py):
+    # not exact (fp16/bf16 rounding; tested within 4e-3 / 2e-2), but near the time of SDPA on an fp16 cache,
+    # where the exact tiled kernel takes several times that. False keeps every extend on the exact kernels.
+    extend_sdpa: bool = True
+    # Batches of more runs of equal sequences than this (extend_bounds.equal_runs) take one FlashAttention 2
+    # varlen call instead of one SDPA call per run: each SDPA call costs host time, and from 4 runs on the one
+    # varlen call is the faster.
+    extend_sdpa_max_calls: int = 3
+    # The gathered K/V are allocated per call, unknown to the engine's memory planner: at most this many bytes of
+    # consecutive sequences at a time (256 MiB: 256k keys of 4 KV heads at head_dim 128, fp16)...
+    extend_sdpa_chunk_bytes: int = 2**28
+    # ...and of one sequence, which is gathered whole (2 GiB: 2M keys); a longer one runs the tiled kernel.
+    extend_sdpa_max_bytes: int = 2**31
+
+    def programs_per_sm(self) -> int:
+        """Triton stage-1 programs an SM holds, which the default splits fill (default_num_kv_splits): 65536
+        registers over its threads at the cap, or at 256 uncapped (it compiles to 255)."""
+        return max(1, 65536 // (32 * self.num_warps * (self.maxnreg or 256)))
+
+    def gluon_programs_per_sm(self, certificate: bool) -> int:
+        """Gluon stage-1 programs an SM holds: 65536 registers over 128 threads at the cap; uncapped, the
+        kernel compiles to 200-255 registers (Triton 3.6-3.9), two programs. Shared memory (about 40 KB
+        per program) allows five."""
+        cap = self.gluon_maxnreg if certificate else self.gluon_maxnreg_nocert
+        return 65536 // (128 * cap) if cap else 2
+
+
+LAUNCH = LaunchConfig()
