@@ -6,7 +6,8 @@ replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
 
 * ``sdpa_cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` on a contiguous fp16 (``--dtype``) cache
   ``[B, H_kv, S, D]`` with the cuDNN backend (GQA through ``enable_gqa``);
-* ``fp16_kernel``: our split-KV kernel over a paged fp16 cache (the same structure as ours, no quantization);
+* ``fp16_kernel``: our split-KV kernel over a paged fp16 cache (the same structure as ours, no quantization;
+  ``fp16_baseline.py``, checked against exact attention first: ``fp16_kernel_error``);
 * ``int8_nocert`` / ``int8_cert``: our int8 dithered kernel without / with the certificate
   (``v_dither`` as given: K is always dithered), stage 1 in Gluon where it applies
   (``kernels/gluon_decode.py``); ``triton_nocert`` / ``triton_cert``: the same with the Triton stage 1;
@@ -36,11 +37,12 @@ from types import ModuleType
 
 import torch
 import triton
+from fp16_baseline import check_against_exact_attention, decode_attention_fp16
 from run_info import gpu_run_info
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import witcert.kernels
-from witcert.kernels import KVPool, decode_attention, decode_attention_fp16, reference
+from witcert.kernels import KVPool, decode_attention, reference
 from witcert.kernels.launch import LAUNCH, LaunchConfig
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
@@ -273,6 +275,8 @@ def main() -> None:
         "resident_slots": args.resident_slots,
         "decode": [],
     }
+    if "fp16_kernel" in names:
+        results["fp16_kernel_error"] = check_against_exact_attention()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     if args.sweep:
         results["sweep"] = sweep_launch(delta, args.sweep)

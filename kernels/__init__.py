@@ -2,15 +2,13 @@
 
 Public entry points: ``KVPool`` (the dithered int8 cache and its write kernel), ``decode_attention``
 and ``extend_attention`` (paged attention with the certificate fused in; ``ExtendBounds``, an extend batch's
-offsets on the host, checked once per batch), ``decode_attention_fp16``
-(the unquantized baseline), ``select_path`` (which implementation runs on a device).
+offsets on the host, checked once per batch), ``select_path`` (which implementation runs on a device).
 """
 
 from witcert.kernels import reference
 from witcert.kernels.attention import (
     AttentionOutput,
     decode_attention,
-    decode_attention_fp16,
     extend_attention,
 )
 from witcert.kernels.backend import select_path
@@ -22,7 +20,6 @@ __all__ = [
     "ExtendBounds",
     "KVPool",
     "decode_attention",
-    "decode_attention_fp16",
     "extend_attention",
     "reference",
     "select_path",

@@ -1,9 +1,8 @@
 """Paged decode and extend attention over a ``KVPool``, with the certificate (docs/THEORY.md section 3).
 
 Entry points: ``decode_attention`` (one query token per sequence, SGLang-style ``kv_indptr`` /
-``kv_indices`` paging), ``extend_attention`` (several new query tokens per sequence over a quantized
-prefix, causal), and ``decode_attention_fp16`` (the same split-KV structure over an fp16 cache: the
-benchmark's baseline).
+``kv_indices`` paging) and ``extend_attention`` (several new query tokens per sequence over a quantized
+prefix, causal).
 
 Validation: shape, dtype and device checks are always made (they read no tensor values). Checks
 of values (slot range, ``kv_indptr`` monotone and within ``kv_indices``) synchronise with the device,
@@ -761,78 +760,3 @@ def _run_extend_tiled(
         for value in stats or ():
             value.fill_(math.nan)
     return _result(out, lse, stats, "triton-gpu" if device.type == "cuda" else "triton-interpreter")
-
-
-def decode_attention_fp16(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
-    num_kv_splits: int | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Baseline: the same split-KV decode over an unquantized paged cache ``[slots, H_kv, D]``. Returns ``(out, lse)``.
-
-    Triton only (GPU or interpreter): it exists to be measured against.
-    """
-    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError("q must be [B, H_q, D] and k_cache, v_cache the same [slots, H_kv, D]")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError("q, k_cache and v_cache must share one dtype, float16 or bfloat16")
-    _check_index_tensor("kv_indptr", kv_indptr, q.device)
-    _check_index_tensor("kv_indices", kv_indices, q.device)
-    if select_path(q.device) == "reference":
-        raise RuntimeError("decode_attention_fp16 is a Triton benchmark baseline: it needs a GPU or TRITON_INTERPRET=1")
-    rows, num_q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    kv_group = num_q_heads // kv_heads
-    block_h = max(16, _pow2(kv_group))
-    head_blocks = kv_heads * -(-kv_group // block_h)
-    splits = num_kv_splits if num_kv_splits is not None else default_num_kv_splits(rows * head_blocks, q.device)
-    sm_scale = reference.softmax_scale(sm_scale, head_dim)
-    out = _prepare_out(out, rows, num_q_heads, head_dim, q.device)
-    part_out = torch.empty(rows, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(rows, num_q_heads, splits, dtype=torch.float32, device=q.device)
-    lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=q.device)
-    kernels = kernels_module()
-    kernels.decode_stage1_fp16[(rows, head_blocks, splits)](
-        q,
-        k_cache,
-        v_cache,
-        kv_indptr[:-1],
-        kv_indptr[1:] - kv_indptr[:-1],
-        kv_indices,
-        part_out,
-        part_lse,
-        q.stride(0),
-        q.stride(1),
-        sm_scale,
-        NUM_KV_HEADS=kv_heads,
-        KV_GROUP=kv_group,
-        BLOCK_H=block_h,
-        BLOCK_N=LAUNCH.block_n,
-        HEAD_DIM=head_dim,
-        NUM_SPLITS=splits,
-        num_warps=LAUNCH.num_warps,
-        num_stages=LAUNCH.num_stages,
-    )
-    kernels.decode_stage2[(rows, num_q_heads)](
-        part_out,
-        part_lse,
-        *_stat_pointers(None, part_lse),
-        out,
-        lse,
-        *(lse,) * len(_Certificate._fields),
-        out.stride(0),
-        out.stride(1),
-        1.0,
-        NUM_Q_HEADS=num_q_heads,
-        HEAD_DIM=head_dim,
-        NUM_SPLITS=splits,
-        SPLITS_PAD=max(2, _pow2(splits)),
-        CERTIFICATE=False,
-    )
-    return out, lse

@@ -159,7 +159,7 @@ def _attend_varlen(q: torch.Tensor, chunk: Chunk, scale: float) -> torch.Tensor:
         return _varlen.varlen_attn(q, keys, values, qo_indptr, kv_indptr, *lengths, scale=scale, **_CAUSAL, **gqa)
     # PyTorch 2.11's varlen_attn has no enable_gqa, though the FlashAttention 2 op under it takes fewer KV heads
     # than query heads: call that op, rather than repeat K and V per query head (0.12 of 0.30 ms at 64 prompts
-    # of about 128 tokens on the H200, bench/results/extend_profile_h200.txt).
+    # of about 128 tokens on the H200, bench/results/extend_sdpa_profile_h200.txt).
     return torch.ops.aten._flash_attention_forward(
         q, keys, values, qo_indptr, kv_indptr, *lengths, 0.0, True, False, scale=scale
     )[0]

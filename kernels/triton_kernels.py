@@ -1,4 +1,4 @@
-"""Triton kernels: the dithered write, split-KV decode with the certificate fused in, and the fp16 baseline.
+"""Triton kernels: the dithered write and split-KV decode with the certificate fused in.
 
 Imported lazily by ``witcert.kernels.attention`` and ``witcert.kernels.pool``: ``triton.jit`` decides
 at decoration time whether it compiles or interprets (``TRITON_INTERPRET=1``), so this module must
@@ -932,61 +932,3 @@ def decode_stage2(
         tl.store(PRest + index, p_rest + poison)
         tl.store(PMax + index, p_max + poison)
         tl.store(UMax + index, u_max + poison)
-
-
-@triton.jit
-def decode_stage1_fp16(
-    Q,
-    KCache,
-    VCache,
-    KvStart,
-    KvLen,
-    KvIndices,
-    PartOut,
-    PartLse,
-    stride_qb,
-    stride_qh,
-    sm_scale,
-    NUM_KV_HEADS: tl.constexpr,
-    KV_GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    """The baseline: the same split-KV structure over an fp16/bf16 paged cache ``[slots, H_kv, D]``."""
-    row = tl.program_id(0)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2)
-    blocks_per_kv_head: tl.constexpr = (KV_GROUP + BLOCK_H - 1) // BLOCK_H
-    kv_head = head_block // blocks_per_kv_head
-    local_heads = (head_block % blocks_per_kv_head) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = local_heads < KV_GROUP
-    heads = kv_head * KV_GROUP + local_heads
-    num_q_heads = NUM_KV_HEADS * KV_GROUP
-    kv_start, _, lo, hi, _ = split_range(KvStart, KvLen, row, split, 2**31 - 1, NUM_SPLITS, BLOCK_N)
-    channels = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + channels[None, :], mask=head_ok[:, None], other=0.0)
-    running_max = tl.full((BLOCK_H,), -FP32_INF, tl.float32)
-    running_sum = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        token_ok = offs < hi
-        slots = tl.load(KvIndices + kv_start + offs, mask=token_ok, other=0).to(tl.int64)
-        base = slots * NUM_KV_HEADS + kv_head
-        k = tl.load(KCache + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0.0)
-        logits = tl.dot(q, tl.trans(k)) * sm_scale
-        logits = tl.where(token_ok[None, :], logits, -FP32_INF)
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        alpha = tl.exp(running_max - new_max)
-        weights = tl.exp(logits - new_max[:, None])
-        running_sum = running_sum * alpha + tl.sum(weights, axis=1)
-        v = tl.load(VCache + base[:, None] * HEAD_DIM + channels[None, :], mask=token_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
-        running_max = new_max
-    safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
-    part_row = (row * num_q_heads + heads) * NUM_SPLITS + split
-    tl.store(PartOut + part_row[:, None] * HEAD_DIM + channels[None, :], acc / safe_sum[:, None], mask=head_ok[:, None])
-    lse = tl.where(running_sum == 0, -FP32_INF, running_max + tl.log(safe_sum))
-    tl.store(PartLse + part_row, lse, mask=head_ok)

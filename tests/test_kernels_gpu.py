@@ -23,7 +23,6 @@ from witcert.kernels import (
     ExtendBounds,
     KVPool,
     decode_attention,
-    decode_attention_fp16,
     extend_attention,
     extend_sdpa,
     reference,
@@ -404,19 +403,3 @@ def test_a_pool_of_2_31_code_bytes_matches_reference_on_gpu(stage1):
     result = decode_attention(q, pool, 0, indptr, slots, delta_step=DELTA)
     assert result.path == _expected_path(q, pool)
     assert_matches_oracle(result, q, pool, 0, indptr, slots, delta=DELTA)
-
-
-def test_fp16_baseline_on_gpu_matches_exact_attention():
-    generator = torch.Generator().manual_seed(5)
-    k_cache = torch.randn(9000, 4, 128, generator=generator).half().to(CUDA)
-    v_cache = torch.randn(9000, 4, 128, generator=generator).half().to(CUDA)
-    indptr = torch.tensor([0, 8000, 8100], device=CUDA)
-    slots = torch.randperm(9000, generator=generator)[:8100].to(CUDA)
-    q = _query(2, 28)
-    out, _ = decode_attention_fp16(q, k_cache, v_cache, indptr, slots)
-    for row in range(2):
-        row_slots = slots[indptr[row] : indptr[row + 1]]
-        k = k_cache[row_slots].float().repeat_interleave(7, dim=1)
-        v = v_cache[row_slots].float().repeat_interleave(7, dim=1)
-        probs = (torch.einsum("hd,shd->hs", q[row].float(), k) / 128**0.5).softmax(-1)
-        assert relative_error(out[row], torch.einsum("hs,shd->hd", probs, v).cpu()) < 2e-3

@@ -6,7 +6,7 @@ kernels of one call with ``torch.profiler`` (ms per call) and the host functions
 calls. When the eager time is well above the kernels' sum, the call is bound by host time, and the ``cProfile``
 list says where. ``cProfile`` slows Python down several times, so its seconds rank functions; they are not timings.
 
-    python bench/lab/profile_extend.py --shapes 64x0:128 8x~4096:256 --output bench/results/extend_profile_h200.txt
+    python bench/lab/profile_extend.py --shapes 64x0:128 8x~4096:256 --output bench/results/extend_sdpa_profile_h200.txt
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["16x0:512", "64x0:128", "8x~4096:256", "0:4096"])
     parser.add_argument("--calls", type=int, default=200, help="calls profiled per shape (default: %(default)s)")
-    parser.add_argument("--output", type=Path, default=Path("bench/results/extend_profile_h200.txt"))
+    parser.add_argument("--output", type=Path, default=Path("bench/results/extend_sdpa_profile_h200.txt"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
