@@ -1,14 +1,21 @@
-"""Alert rules as code: the same rules as Grafana file provisioning and as provisioning-API payloads.
+"""Alerts as code: rules, the contact point that reaches a person, and the notification policy.
 
+The same objects are written as Grafana file provisioning and sent as provisioning-API payloads.
 Alert queries run in Grafana's backend, where dashboard variables do not exist and
 ``$__conditionalAll`` is never expanded (the browser does that), so their SQL uses only the
 plugin's backend macros. Each query returns a numeric table: label columns (model, instance) and
-one value per row, which Grafana alerting turns into one alert instance per row.
+one value per row, which Grafana alerting turns into one alert instance per row. Every rule carries
+a summary, a description and a runbook (what to check, what gating does about it).
+
+Receivers (webhook, email, Slack) read their destinations from environment variables: in the
+provisioning files as ``$VARIABLE`` references Grafana expands from its own environment, for a push
+from the pushing process's environment. No address is written into any file.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,6 +43,21 @@ SILENCE_S = 300
 
 Evaluator = Literal["gt", "lt"]
 
+# The contact point every witcert rule notifies, and its receivers: kind -> (environment variable,
+# settings key, what the variable holds). Grafana 11.6 integration settings.
+CONTACT_POINT = "witcert"
+RECEIVERS: dict[str, tuple[str, str, str]] = {
+    "webhook": ("WITCERT_ALERT_WEBHOOK_URL", "url", "the URL Grafana POSTs its alert JSON to"),
+    "email": ("WITCERT_ALERT_EMAIL_ADDRESSES", "addresses", "addresses separated by ';' (Grafana needs GF_SMTP_*)"),
+    "slack": ("WITCERT_ALERT_SLACK_URL", "url", "a Slack incoming-webhook URL"),
+}
+DEFAULT_RECEIVERS: tuple[str, ...] = ("webhook",)
+_RECEIVER_SETTINGS: dict[str, dict[str, Any]] = {
+    "webhook": {"httpMethod": "POST"},
+    "email": {"singleEmail": False},
+    "slack": {},
+}
+
 
 @dataclass(frozen=True)
 class AlertSpec:
@@ -51,6 +73,8 @@ class AlertSpec:
     threshold: float
     pending: str  # how long the condition must hold before the rule fires
     severity: Literal["critical", "warning"]
+    description: str = ""  # what the numbers mean
+    runbook: str = ""  # what to check, and what gating does about it
 
 
 def _spike_sql(event: str, floor: float, factor: float) -> str:
@@ -70,12 +94,16 @@ def _spike_sql(event: str, floor: float, factor: float) -> str:
     )
 
 
-def _spike_spec(uid: str, title: str, summary: str, event: str, floor: float, factor: float) -> AlertSpec:
+def _spike_spec(
+    uid: str, title: str, summary: str, event: str, floor: float, factor: float, description: str, runbook: str
+) -> AlertSpec:
     # The query reads the hour before the last 5 minutes too, hence its 65-minute window.
     return AlertSpec(
         uid=uid,
         title=title,
         summary=summary,
+        description=description,
+        runbook=runbook,
         sql=_spike_sql(event, floor, factor),
         value_column="spike_ratio",
         window_s=3900,
@@ -118,6 +146,13 @@ def alert_specs(
             threshold=coverage_target,
             pending="5m",
             severity="critical",
+            description="Coverage is the engine's own exact count: certificates at or below the tau in force, over "
+            "every decode step of the last 5 minutes, for this instance. It has stayed below the target for 5 minutes.",
+            runbook="Check the dashboard's layer x head heat maps for the heads that fell (one layer, or all?) and "
+            "the vacuous and infinite fractions; compare with the fallback rate. In gate mode every head-step above "
+            "tau was already recomputed from exact K/V, so outputs stay within tau and the cost is bandwidth "
+            "(fallback rate, repaired bytes); in observe mode nothing was repaired: those steps carry no guarantee. "
+            "Look for a new model, prompt mix or context length; raise outlier_pairs or tau only knowingly.",
         ),
         _spike_spec(
             "witcert-inf-spike",
@@ -127,6 +162,11 @@ def alert_specs(
             "Infinite",
             inf_fraction_floor,
             spike_factor,
+            description="+inf certificates overflowed in float32: still valid bounds, but vacuous. Their share of "
+            "the last 5 minutes is above the floor and above the spike factor times the hour before.",
+            runbook="Check the largest-certificate heat map for the heads at +inf and the engine's logs around the "
+            "start; +inf usually means extreme logits (a new model, very long contexts). In gate mode those "
+            "head-steps were recomputed exactly (every +inf is above tau); in observe mode they carry no guarantee.",
         ),
         _spike_spec(
             "witcert-fallback-spike",
@@ -136,6 +176,12 @@ def alert_specs(
             "Fallbacks",
             fallback_rate_floor,
             spike_factor,
+            description="Head-steps repaired from the exact K/V backup per certificate, in the last 5 minutes, are "
+            "above the floor and above the spike factor times the hour before.",
+            runbook="Gating is doing its job: each fallback is a head-step recomputed exactly, so the outputs keep "
+            "their guarantee, but every one costs bandwidth (see repaired bytes/s and decode latency). Check which "
+            "layers and heads fall back (heat maps) and whether coverage fell with it; a sustained rate means the "
+            "quantized cache no longer fits this traffic.",
         ),
         AlertSpec(
             uid="witcert-instance-silent",
@@ -143,14 +189,14 @@ def alert_specs(
             summary=f"No telemetry for over {silence_s} s from {{{{ $labels.instance }}}} "
             "({{ $labels.model }}), which reported during the last day",
             sql=(
-                # The exporter sets the export-lag gauge on every batch it builds: its newest point is
-                # the instance's last sign of life. Few rows (one per batch), found by the raw table's
-                # sort key (ServiceName, MetricName, ...), exact timestamps.
+                # Every batch the engine's stream exports carries the tau gauge, and an idle engine still sends
+                # it as a heartbeat: its newest point is the instance's last sign of life. Few rows (one per
+                # batch), found by the raw table's sort key (ServiceName, MetricName, ...), exact timestamps.
                 f"SELECT ResourceAttributes['{names.RESOURCE_MODEL}'] AS model,\n"
                 f"  ResourceAttributes['{names.RESOURCE_INSTANCE}'] AS instance,\n"
                 "  dateDiff('second', max(TimeUnix), $__toTime) AS silent_s\n"
                 "FROM otel_metrics_gauge\n"
-                f"WHERE MetricName = '{names.EXPORT_LAG}' AND $__timeFilter(TimeUnix)\n"
+                f"WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n"
                 "GROUP BY model, instance\n"
                 "ORDER BY model, instance"
             ),
@@ -160,6 +206,13 @@ def alert_specs(
             threshold=float(silence_s),
             pending="0s",
             severity="critical",
+            description="An engine's stream sends a batch on every flush and a heartbeat while it decodes nothing, "
+            "so silence means the engine process, its network path or the collector is down, not idle traffic. "
+            "Instances keep their id across restarts (service.instance.id), so a restarted engine resolves this.",
+            runbook="Check that the engine process is running and its logs; that it reaches the collector "
+            "(OTEL_EXPORTER_OTLP_ENDPOINT or WITCERT_COLLECTOR_ENDPOINT, /readyz of the collector) and the "
+            "collector's dropped and rejected counters. Gating inside a running engine does not depend on "
+            "telemetry: a down collector loses observation, not protection.",
         ),
     )
 
@@ -202,7 +255,15 @@ def _rule(spec: AlertSpec, folder_uid: str, datasource_uid: str) -> alerting.Rul
         .exec_err_state("Error")
         .is_paused(False)
         .labels({"service": "witcert", "severity": spec.severity})
-        .annotations({"summary": spec.summary, "__dashboardUid__": DASHBOARD_UID, "value_column": spec.value_column})
+        .annotations(
+            {
+                "summary": spec.summary,
+                "description": spec.description,
+                "runbook": spec.runbook,
+                "__dashboardUid__": DASHBOARD_UID,
+                "value_column": spec.value_column,
+            }
+        )
     )
 
 
@@ -257,6 +318,77 @@ def provisioning_document(rules: list[dict[str, Any]], folder_title: str = FOLDE
             }
         ],
     }
+
+
+def contact_points(kinds: Sequence[str] = DEFAULT_RECEIVERS, values: Mapping[str, str] | None = None) -> list[dict]:
+    """The witcert contact point, one provisioning-API payload per receiver kind.
+
+    ``values`` None: each destination is a ``$VARIABLE`` reference (provisioning files, expanded by
+    Grafana from its environment). Otherwise the destinations are read from ``values`` (a push); a
+    kind whose variable is unset or empty raises ``ValueError`` naming it.
+    """
+    unknown = [kind for kind in kinds if kind not in RECEIVERS]
+    if unknown or not kinds:
+        raise ValueError(f"receivers must be among {', '.join(RECEIVERS)}, got {', '.join(kinds) or 'none'}")
+    payloads = []
+    for kind in dict.fromkeys(kinds):
+        variable, key, meaning = RECEIVERS[kind]
+        if values is None:
+            destination = f"${variable}"
+        else:
+            destination = values.get(variable, "").strip()
+            if not destination:
+                raise ValueError(f"the {kind} receiver needs {variable}: {meaning}")
+        builder = (
+            alerting.ContactPoint()
+            .uid(f"witcert-{kind}")
+            .name(CONTACT_POINT)
+            .type(kind)
+            .settings({key: destination, **_RECEIVER_SETTINGS[kind]})
+            .disable_resolve_message(False)
+        )
+        payloads.append(json.loads(json.dumps(builder.build(), cls=JSONEncoder)))
+    return payloads
+
+
+def notification_policy() -> dict[str, Any]:
+    """The notification policy tree: witcert's rules (label service=witcert) go to the witcert contact point,
+    one notification per rule, model and instance; critical ones are repeated every hour until resolved."""
+    witcert = (
+        alerting.NotificationPolicy()
+        .receiver(CONTACT_POINT)
+        .object_matchers([["service", "=", "witcert"]])
+        .group_by(["alertname", "model", "instance"])
+        .group_wait("30s")
+        .group_interval("5m")
+        .repeat_interval("4h")
+        .routes(
+            [
+                alerting.NotificationPolicy()
+                .receiver(CONTACT_POINT)
+                .object_matchers([["severity", "=", "critical"]])
+                .repeat_interval("1h")
+            ]
+        )
+    )
+    root = (
+        alerting.NotificationPolicy()
+        .receiver(CONTACT_POINT)
+        .group_by(["grafana_folder", "alertname"])
+        .routes([witcert])
+    )
+    return json.loads(json.dumps(root.build(), cls=JSONEncoder))
+
+
+def contact_points_document(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The contact point as a Grafana provisioning file (``provisioning/alerting/*.yaml``)."""
+    receivers = [{key: point[key] for key in ("uid", "type", "settings", "disableResolveMessage")} for point in points]
+    return {"apiVersion": 1, "contactPoints": [{"orgId": 1, "name": CONTACT_POINT, "receivers": receivers}]}
+
+
+def policies_document(policy: dict[str, Any]) -> dict[str, Any]:
+    """The notification policy tree as a Grafana provisioning file; it replaces the organisation's tree."""
+    return {"apiVersion": 1, "policies": [{"orgId": 1, **policy}]}
 
 
 class _BlockStyleDumper(yaml.SafeDumper):

@@ -44,6 +44,26 @@ def _add_threshold_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _receivers(text: str) -> tuple[str, ...]:
+    kinds = tuple(kind.strip() for kind in text.split(",") if kind.strip())
+    unknown = [kind for kind in kinds if kind not in alerts.RECEIVERS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"choose among {', '.join(alerts.RECEIVERS)}, comma-separated, got {text!r}")
+    return kinds
+
+
+def _add_receiver_option(parser: argparse.ArgumentParser, where: str) -> None:
+    variables = "; ".join(f"{kind}: {variable}" for kind, (variable, _, _) in alerts.RECEIVERS.items())
+    parser.add_argument(
+        "--notify",
+        type=_receivers,
+        default=alerts.DEFAULT_RECEIVERS,
+        metavar="KINDS",
+        help=f"receivers of the witcert contact point, comma-separated (default: %(default)s); each reads its "
+        f"destination from {where}: {variables}",
+    )
+
+
 def _thresholds(args: argparse.Namespace) -> dict[str, float | int]:
     return {
         "coverage_target": args.coverage_target,
@@ -58,7 +78,7 @@ def _export(args: argparse.Namespace) -> int:
     from .export import export
 
     try:
-        written = export(Path(args.directory), **_thresholds(args))
+        written = export(Path(args.directory), receivers=args.notify, **_thresholds(args))
     except (OSError, ValueError) as error:
         print(f"witcert dashboards export: {error}", file=sys.stderr)
         return 1
@@ -83,7 +103,7 @@ def _push(args: argparse.Namespace) -> int:
         secure=args.clickhouse_secure,
     )
     try:
-        report = push(args.grafana, connection, credential=token or None, **_thresholds(args))
+        report = push(args.grafana, connection, credential=token or None, receivers=args.notify, **_thresholds(args))
     except (PushError, ValueError) as error:
         print(f"witcert dashboards push: {error}", file=sys.stderr)
         return 1
@@ -144,6 +164,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     export_parser.add_argument("directory", metavar="DIR", help="output directory (created if missing)")
     _add_threshold_options(export_parser)
+    _add_receiver_option(export_parser, "Grafana's environment (the files hold $VARIABLE references)")
     export_parser.set_defaults(handler=_export)
 
     push_parser = commands.add_parser(
@@ -170,6 +191,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--clickhouse-user", default="witcert_reader", help="a read-only ClickHouse user (default: %(default)s)"
     )
     _add_threshold_options(push_parser)
+    _add_receiver_option(push_parser, "this command's environment")
     push_parser.set_defaults(handler=_push)
 
     from witcert.collector.config import DEFAULT_HTTP, default_store_url

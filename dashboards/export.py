@@ -6,11 +6,22 @@ Kubernetes mount it), and a test keeps the copy equal to what this code generate
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .alerts import alert_rules, alert_specs, provisioning_document, render_yaml
+from .alerts import (
+    DEFAULT_RECEIVERS,
+    alert_rules,
+    alert_specs,
+    contact_points,
+    contact_points_document,
+    notification_policy,
+    policies_document,
+    provisioning_document,
+    render_yaml,
+)
 from .datasource import DATASOURCE_NAME, DATASOURCE_UID, PLUGIN_ID
 from .grafana import DASHBOARD_UID, FOLDER_TITLE, FOLDER_UID, dashboard_json, render_json
 
@@ -90,22 +101,35 @@ def dashboard_provider_document() -> dict[str, Any]:
     }
 
 
-def provisioning_files(connection: ClickHouseConnection | None = None, **alert_thresholds: Any) -> dict[str, str]:
-    """Relative path -> file text, for the whole tree."""
+def provisioning_files(
+    connection: ClickHouseConnection | None = None,
+    receivers: Sequence[str] = DEFAULT_RECEIVERS,
+    **alert_thresholds: Any,
+) -> dict[str, str]:
+    """Relative path -> file text, for the whole tree. ``receivers``: the contact point's kinds."""
     connection = connection or ClickHouseConnection()
     rules = alert_rules(alert_specs(**alert_thresholds))
     return {
         "provisioning/datasources/witcert-clickhouse.yaml": render_yaml(datasource_document(connection)),
         "provisioning/dashboards/witcert.yaml": render_yaml(dashboard_provider_document()),
         "provisioning/alerting/witcert-alerts.yaml": render_yaml(provisioning_document(rules)),
+        "provisioning/alerting/witcert-contact-points.yaml": render_yaml(
+            contact_points_document(contact_points(receivers))
+        ),
+        "provisioning/alerting/witcert-policies.yaml": render_yaml(policies_document(notification_policy())),
         f"dashboards/{DASHBOARD_UID}.json": render_json(dashboard_json()),
     }
 
 
-def export(directory: Path, connection: ClickHouseConnection | None = None, **alert_thresholds: Any) -> list[Path]:
+def export(
+    directory: Path,
+    connection: ClickHouseConnection | None = None,
+    receivers: Sequence[str] = DEFAULT_RECEIVERS,
+    **alert_thresholds: Any,
+) -> list[Path]:
     """Write the tree under ``directory`` (created if missing); returns the files written."""
     written = []
-    for relative, text in provisioning_files(connection, **alert_thresholds).items():
+    for relative, text in provisioning_files(connection, receivers, **alert_thresholds).items():
         path = directory / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")

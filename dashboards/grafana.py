@@ -13,7 +13,7 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as models
 
 from .datasource import DATASOURCE_UID, ClickHouseQuery, ClickHouseQueryBuilder, QueryFormat, datasource_ref
-from .panels import PANELS, SECTIONS, VARIABLES, PanelSpec, VariableSpec
+from .panels import AT_LEAST, AT_MOST, PANELS, SECTIONS, VARIABLES, PanelSpec, VariableSpec
 
 DASHBOARD_UID = "witcert-coverage"
 DASHBOARD_TITLE = "witcert: certificate coverage"
@@ -22,6 +22,17 @@ FOLDER_TITLE = "witcert"
 
 
 def _variable(spec: VariableSpec, datasource_uid: str) -> Any:
+    if spec.query is not None and not spec.multi:
+        # Options in the query's order (the engines' tau first); Grafana starts at the first one.
+        return (
+            dashboard_builders.QueryVariable(spec.name)
+            .label(spec.label)
+            .description(spec.description)
+            .datasource(datasource_ref(datasource_uid))
+            .query(spec.query)
+            .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(models.VariableSort.DISABLED)
+        )
     if spec.query is None:
         return (
             dashboard_builders.CustomVariable(spec.name)
@@ -58,8 +69,12 @@ def _continuous_colors(spec: PanelSpec) -> dashboard_builders.FieldColor:
     return dashboard_builders.FieldColor().mode(models.FieldColorModeId.CONTINUOUS_GR_YL_RD)
 
 
+# How the two columns of an interval panel read in Grafana.
+_INTERVAL_NAMES = {AT_LEAST: "at least", AT_MOST: "at most"}
+
+
 def _panel(spec: PanelSpec, panel_id: int, datasource_uid: str) -> Any:
-    if spec.kind == "stat":
+    if spec.kind in ("stat", "interval"):
         builder: Any = (
             stat.Panel()
             .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
@@ -67,7 +82,17 @@ def _panel(spec: PanelSpec, panel_id: int, datasource_uid: str) -> Any:
             .graph_mode(common.BigValueGraphMode.NONE)
             .color_scheme(_continuous_colors(spec))
         )
-    elif spec.kind == "timeseries":
+    if spec.kind == "interval":
+        # Both ends, each named: an interval is never shown as a point value (the exact flag is not shown).
+        builder = builder.reduce_options(
+            common_builders.ReduceDataOptions()
+            .calcs(["lastNotNull"])
+            .values(False)
+            .fields(f"/^({AT_LEAST}|{AT_MOST})$/")
+        )
+        for column, name in _INTERVAL_NAMES.items():
+            builder = builder.override_by_name(column, [models.DynamicConfigValue(id_val="displayName", value=name)])
+    if spec.kind == "timeseries":
         builder = (
             timeseries.Panel()
             .line_width(1)
@@ -81,7 +106,7 @@ def _panel(spec: PanelSpec, panel_id: int, datasource_uid: str) -> Any:
             )
             .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI))
         )
-    else:
+    if spec.kind == "matrix":
         # A layer x head heat map: rows are layers, columns heads, each cell coloured by its value.
         row_key, column_key, value = spec.queries[0].columns
         builder = (

@@ -133,7 +133,8 @@ class DashboardPage:
                 # "All", as Grafana sends it: every option; with no option at all, a value that matches no row.
                 chosen[spec.name] = requested or options[spec.name] or [""]
             else:
-                value = requested[-1] if requested else spec.default
+                first = options[spec.name][0] if options[spec.name] else ""
+                value = requested[-1] if requested else spec.default or first
                 try:
                     number = float(value)
                 except ValueError as error:

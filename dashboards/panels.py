@@ -1,12 +1,25 @@
 """Every panel's SQL, written once: the Grafana dashboard and the built-in page both render from here.
 
-Panels read the collector's rollups (``witcert_counts_*``, ``witcert_buckets_*``), never the raw
-sample rows, so a 30-day view stays cheap: ranges up to one day read the 1-minute rollup, longer
-ones the 1-hour rollup. The switch is a constant condition on the time range inside the SQL itself
-(ClickHouse folds it and reads no part of the branch that is off), so Grafana and the page send
-the same text. Export lag is the one panel that reads a raw table (the gauge); its rows are
-few (one per exporter flush) and the exporter schema's sort key (ServiceName, MetricName, ...)
-finds them.
+What each panel shows is exact wherever the store holds an exact figure:
+
+- Coverage is the engine's own count: certificates at or below the tau in force in the engine,
+  over every decode step (``Covered / Certificates`` of the counter rollups), per (layer, head) too.
+- "Largest certificate" and the quantiles are raw sample values (``witcert_certificate_samples``:
+  one value per sampled (layer, head, step), the maximum over the batch rows), never a bucket bound.
+- Coverage at another tau (the dashboard's ``tau`` variable) can only come from the sampled
+  histogram, whose buckets say where a value lies only up to the bucket's width: it is shown as
+  the interval it is, ``at_least`` and ``at_most``, and as the exact engine count when the
+  dashboard's tau equals the tau every selected engine reported over the range.
+
+Counter and histogram panels read the collector's rollups (``witcert_counts_*``, ``witcert_buckets_*``):
+ranges up to one day read the 1-minute rollup, longer ones the 1-hour rollup. The switch is a
+constant condition on the time range inside the SQL itself (ClickHouse folds it and reads no part
+of the branch that is off), so Grafana and the page send the same text. Sample panels read the
+typed sample table, the tau panels and export lag the raw gauge table (few rows: one per batch,
+found by the exporter schema's sort key ServiceName, MetricName, ...).
+
+Heads are global indices: under tensor parallelism each rank's exporter numbers its heads from
+its first global head (``TelemetryStream(first_head=...)``), so ranks never share a cell.
 
 SQL uses only the macros grafana-clickhouse-datasource expands on its backend and the dashboard
 variables ``model``, ``instance`` (multi-value, ``${name:singlequote}``) and ``tau``.
@@ -25,8 +38,15 @@ MINUTE_ROLLUP_MAX_RANGE_S = 86400
 # The rollups' Layer/Head for counters reported without those attributes.
 NO_LAYER_OR_HEAD = 65535
 
-PanelKind = Literal["stat", "timeseries", "matrix"]
+# Quantile levels of the sampled-certificate panel.
+QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
+
+# stat: one row of values; interval: one row (at_least, at_most, exact), shown as one figure when the
+# ends are equal and as "between a and b" otherwise; timeseries: time, labels, values; matrix: layer, head, value.
+PanelKind = Literal["stat", "interval", "timeseries", "matrix"]
 TIME = "time"  # the time column every time-series query returns first
+AT_LEAST, AT_MOST = "at_least", "at_most"  # the columns of an interval
+EXACT = "exact"  # an interval's third column: 1 when both ends are an exact count, 0 when read from buckets
 
 
 @dataclass(frozen=True)
@@ -45,7 +65,8 @@ class PanelSpec:
 
     ``kind`` decides the shape: ``timeseries`` queries return ``time``, then label columns (strings,
     one series per distinct combination), then numeric values; ``matrix`` queries return row key,
-    column key and value (the layer x head heat maps); ``stat`` queries return one row of values.
+    column key and value (the layer x head heat maps); ``stat`` queries return one row of values;
+    ``interval`` queries one row ``(at_least, at_most, exact)``.
     """
 
     key: str
@@ -64,7 +85,10 @@ class PanelSpec:
 
 @dataclass(frozen=True)
 class VariableSpec:
-    """A dashboard variable: a query over the store, or fixed choices."""
+    """A dashboard variable: a query over the store, or fixed choices.
+
+    A single-value query variable (``tau``) starts at its first option and accepts any positive number.
+    """
 
     name: str
     label: str
@@ -76,7 +100,14 @@ class VariableSpec:
 
 
 _SELECTION = "Model IN (${model:singlequote}) AND Instance IN (${instance:singlequote})"
+_RAW_SELECTION = (
+    f"ResourceAttributes['{names.RESOURCE_MODEL}'] IN (${{model:singlequote}})\n"
+    f"  AND ResourceAttributes['{names.RESOURCE_INSTANCE}'] IN (${{instance:singlequote}})"
+)
 _IS_SHORT_RANGE = f"dateDiff('second', $__fromTime, $__toTime) <= {MINUTE_ROLLUP_MAX_RANGE_S}"
+_TAU = "toFloat64('${tau}')"
+_BUCKET_SECONDS = "greatest($__interval_s, if(" + _IS_SHORT_RANGE + ", 60, 3600))"
+_REAL_HEAD = f"Layer != {NO_LAYER_OR_HEAD} AND Head != {NO_LAYER_OR_HEAD}"
 
 
 def rollup(family: Literal["counts", "buckets"], columns: str) -> str:
@@ -98,17 +129,23 @@ def rollup(family: Literal["counts", "buckets"], columns: str) -> str:
     )
 
 
+def samples(columns: str) -> str:
+    """A subquery over the raw sampled certificates of the range: ``t`` (time bucket) plus ``columns``."""
+    return (
+        "(\n"
+        f"  SELECT toStartOfInterval(Timestamp, INTERVAL greatest($__interval_s, 60) second) AS t, {columns}\n"
+        "  FROM witcert_certificate_samples\n"
+        f"  WHERE $__timeFilter(Timestamp) AND {_SELECTION}\n"
+        ")"
+    )
+
+
 def _ratio(numerator: str, denominator: str) -> str:
     # Empty buckets give NULL (a gap in the chart), never a division by zero.
     return f"sum({numerator}) / nullIf(sum({denominator}), 0)"
 
 
-_TAU = "toFloat64('${tau}')"
-_COVERED_AT_TAU = f"sumIf(Count, UpperBound <= {_TAU})"
-_BUCKET_SECONDS = "greatest($__interval_s, if(" + _IS_SHORT_RANGE + ", 60, 3600))"
-
-
-# Series labels a time-series panel may split by: the rollup column read, and its display form.
+# Series labels a time-series panel may split by: the column read, and its display form.
 _LABELS = {
     "model": ("Model", "Model"),
     "instance": ("Instance", "Instance"),
@@ -118,81 +155,96 @@ _LABELS = {
 
 def _timeseries(
     ref_id: str,
-    family: Literal["counts", "buckets"],
-    source_columns: str,
+    source: str,
     select: str,
     labels: tuple[str, ...],
     values: tuple[str, ...],
+    where: str = "",
 ) -> PanelQuery:
     label_select = "".join(f", {_LABELS[label][1]} AS {label}" for label in labels)
-    label_sources = "".join(f", {_LABELS[label][0]}" for label in labels)
     group_by = "".join(f", {label}" for label in labels)
     sql = (
         f"SELECT t AS {TIME}{label_select}, {select}\n"
-        f"FROM {rollup(family, source_columns + label_sources)}\n"
-        f"GROUP BY {TIME}{group_by}\n"
+        f"FROM {source}\n" + (f"WHERE {where}\n" if where else "") + f"GROUP BY {TIME}{group_by}\n"
         f"ORDER BY {TIME}{group_by}"
     )
     return PanelQuery(ref_id, sql, (TIME, *labels, *values), labels)
 
 
-# Grouping keys of coverage queries: (output column, expression over rollup columns, column read).
-Key = tuple[str, str, str]
-KEY_TIME: Key = (TIME, "t", "")
-KEY_MODEL: Key = ("model", "Model", "Model")
-KEY_LAYER_LABEL: Key = ("layer", _LABELS["layer"][1], "Layer")
-KEY_LAYER: Key = ("layer", "Layer", "Layer")
-KEY_HEAD: Key = ("head", "Head", "Head")
+def _counts(columns: str, labels: tuple[str, ...] = ()) -> str:
+    return rollup("counts", columns + "".join(f", {_LABELS[label][0]}" for label in labels))
 
 
-def coverage_sql(keys: tuple[Key, ...], value: str = "coverage_at_tau") -> str:
-    """Coverage at tau per ``keys``: P(finite) x P(<= tau | finite).
+_EXACT_COVERAGE = f"{_ratio('Covered', 'Certificates')} AS coverage"
 
-    The histogram holds finite sampled certificates only, so its share at or below tau alone would
-    count +inf and NaN certificates as if they were absent; the counters know their share among all
-    certificates, and multiplying keeps such certificates uncovered, as they are.
+
+def _exact_coverage_query(labels: tuple[str, ...] = ()) -> PanelQuery:
+    source = _counts("Covered, Certificates" + ("" if "layer" in labels else ", Layer") + ", Head", labels)
+    return _timeseries("A", source, _EXACT_COVERAGE, labels, ("coverage",), where=_REAL_HEAD)
+
+
+def _bucket_bounds_sql() -> str:
+    return "[" + ", ".join(repr(bound) for bound in names.CERTIFICATE_BUCKETS) + ", inf]"
+
+
+# The smallest bucket bound >= tau: every bucket up to it may hold values <= tau.
+_CEILING_BOUND = f"arrayFirst(bound -> bound >= {_TAU}, {_bucket_bounds_sql()})"
+
+# Whether every tau the selected engines reported in the range is the dashboard's tau: then the
+# engine's exact count answers, and the interval collapses onto it.
+_ENGINE_TAU_IS_TAU = (
+    f"(\n  SELECT count() > 0 AND countIf(Value != {_TAU}) = 0 AS exact\n"
+    "  FROM otel_metrics_gauge\n"
+    f"  WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n  AND {_RAW_SELECTION}\n)"
+)
+
+
+def coverage_interval_sql(with_time: bool) -> str:
+    """Coverage at the dashboard's tau as an interval, overall or per time bucket.
+
+    Sampled finite certificates (the histogram) fall in buckets ``(previous bound, bound]``: those in
+    buckets wholly at or below tau are covered for sure (``at_least``), those in the bucket holding tau
+    may be (``at_most``). Both are scaled by the share of finite certificates among all of them (the
+    counters, every step): +inf and NaN certificates are never covered. When the engines' tau is the
+    dashboard's, both columns are the engines' exact count.
     """
-    names = ", ".join(name for name, _, _ in keys)
-    selects = "".join(f"{expression} AS {name}, " for name, expression, _ in keys)
-    sources = "".join(f", {column}" for _, _, column in keys if column)
-    real_heads = [f"{column} != {NO_LAYER_OR_HEAD}" for _, _, column in keys if column in ("Layer", "Head")]
-    where = f"  WHERE {' AND '.join(real_heads)}\n" if real_heads else ""
-    group = f"  GROUP BY {names}\n" if keys else ""
-    finite_share = (
-        f"(\n  SELECT {selects}{_COVERED_AT_TAU} / nullIf(sum(Count), 0) AS covered_share\n"
-        f"  FROM {rollup('buckets', 'UpperBound, Count' + sources)}\n{where}{group})"
+    key = f"t AS {TIME}, " if with_time else ""
+    group = f"  GROUP BY {TIME}\n" if with_time else ""
+    histogram = (
+        f"(\n  SELECT {key}sumIf(Count, UpperBound <= {_TAU}) / nullIf(sum(Count), 0) AS low,\n"
+        f"    sumIf(Count, UpperBound <= {_CEILING_BOUND}) / nullIf(sum(Count), 0) AS high\n"
+        f"  FROM {rollup('buckets', 'UpperBound, Count, Layer, Head')}\n  WHERE {_REAL_HEAD}\n{group})"
     )
-    non_finite = (
-        f"(\n  SELECT {selects}sum(Infinite + NaNs) / nullIf(sum(Certificates), 0) AS non_finite_share\n"
-        f"  FROM {rollup('counts', 'Infinite, NaNs, Certificates' + sources)}\n{group})"
+    counters = (
+        f"(\n  SELECT {key}1 - sum(Infinite + NaNs) / nullIf(sum(Certificates), 0) AS finite,\n"
+        f"    {_ratio('Covered', 'Certificates')} AS covered\n"
+        f"  FROM {rollup('counts', 'Infinite, NaNs, Covered, Certificates')}\n{group})"
     )
-    join = f"LEFT JOIN {non_finite} AS non_finite USING ({names})" if keys else f"CROSS JOIN {non_finite} AS non_finite"
+    join = f"LEFT JOIN {counters} AS counters USING ({TIME})" if with_time else f"CROSS JOIN {counters} AS counters"
+    select = f"{TIME}, " if with_time else ""
+    exact = "" if with_time else f",\n  toUInt8(engine.exact) AS {EXACT}"
     return (
-        f"SELECT {names + ', ' if keys else ''}covered_share * (1 - ifNull(non_finite_share, 0)) AS {value}\n"
-        f"FROM {finite_share} AS finite\n{join}" + (f"\nORDER BY {names}" if keys else "")
+        f"SELECT {select}if(engine.exact, covered, finite * low) AS {AT_LEAST},\n"
+        f"  if(engine.exact, covered, finite * high) AS {AT_MOST}{exact}\n"
+        f"FROM {histogram} AS histogram\n{join}\nCROSS JOIN {_ENGINE_TAU_IS_TAU} AS engine"
+        + (f"\nORDER BY {TIME}" if with_time else "")
     )
 
 
-def _coverage_query(label: Key | None = None) -> PanelQuery:
-    keys = (KEY_TIME, label) if label else (KEY_TIME,)
-    labels = (label[0],) if label else ()
-    return PanelQuery("A", coverage_sql(keys), (TIME, *labels, "coverage_at_tau"), labels)
-
-
-def _matrix_query(select: str, value: str, family: Literal["counts", "buckets"], columns: str) -> PanelQuery:
+def _matrix_query(select: str, value: str, source: str) -> PanelQuery:
     sql = (
         f"SELECT Layer AS layer, Head AS head, {select} AS {value}\n"
-        f"FROM {rollup(family, 'Layer, Head, ' + columns)}\n"
+        f"FROM {source}\n"
         # Rows of counters that carry no layer/head (steps, drops) sit at 65535: not a head.
-        f"WHERE Layer != {NO_LAYER_OR_HEAD} AND Head != {NO_LAYER_OR_HEAD}\n"
+        f"WHERE {_REAL_HEAD}\n"
         "GROUP BY layer, head\n"
         "ORDER BY layer, head"
     )
     return PanelQuery("A", sql, ("layer", "head", value))
 
 
-def _counts_stat_query(select: str, value: str, columns: str) -> PanelQuery:
-    return PanelQuery("A", f"SELECT {select} AS {value}\nFROM {rollup('counts', columns)}", (value,))
+def _stat_query(select: str, value: str, source: str) -> PanelQuery:
+    return PanelQuery("A", f"SELECT {select} AS {value}\nFROM {source}", (value,))
 
 
 def _summary_stat(
@@ -201,19 +253,20 @@ def _summary_stat(
     description: str,
     query: PanelQuery,
     unit: str,
+    kind: PanelKind = "stat",
     max_value: float | None = None,
     higher_is_better: bool = False,
 ) -> PanelSpec:
-    """A headline number of the Summary row: one value, never negative, in a small tile."""
+    """A headline number of the Summary row: one value (or interval), never negative, in a small tile."""
     return PanelSpec(
         key=key,
         title=title,
         description=description,
-        kind="stat",
+        kind=kind,
         queries=(query,),
         unit=unit,
         section="Summary",
-        width=6,
+        width=4,
         height=4,
         min_value=0,
         max_value=max_value,
@@ -221,13 +274,13 @@ def _summary_stat(
     )
 
 
-def _coverage_by(dimension: str, key: Key) -> PanelSpec:
+def _coverage_by(dimension: str) -> PanelSpec:
     return PanelSpec(
         key=f"coverage_by_{dimension}",
-        title=f"Coverage at tau by {dimension}",
-        description=f"Coverage at tau (as in the summary), one series per {dimension}.",
+        title=f"Coverage at the engine's tau by {dimension}",
+        description=f"Certificates at or below the engine's tau over every decode step, one series per {dimension}.",
         kind="timeseries",
-        queries=(_coverage_query(key),),
+        queries=(_exact_coverage_query((dimension,)),),
         unit="percentunit",
         section="Coverage",
         min_value=0,
@@ -235,6 +288,8 @@ def _coverage_by(dimension: str, key: Key) -> PanelSpec:
         higher_is_better=True,
     )
 
+
+_FIXED_TAUS = ("0.001", "0.01", "0.0316", "0.05", "0.1", "0.316", "1")
 
 VARIABLES: tuple[VariableSpec, ...] = (
     VariableSpec(
@@ -257,10 +312,16 @@ VARIABLES: tuple[VariableSpec, ...] = (
     VariableSpec(
         name="tau",
         label="tau",
-        description="Threshold on the certificate (a bound on TV distance): coverage is the share of "
-        "certificates at or below it, read from the sampled histogram in whole buckets (a lower bound)",
-        choices=("0.001", "0.01", "0.0316", "0.05", "0.1", "0.316", "1"),
-        default="0.1",
+        description="Threshold for the what-if coverage panels: the engines' own tau first (exact), then other "
+        "values, for which coverage is an interval read from the sampled histogram",
+        query=(
+            "SELECT tau FROM (\n"
+            f"  SELECT toString(Value) AS tau, 0 AS fixed FROM otel_metrics_gauge\n"
+            f"  WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n  AND {_RAW_SELECTION}\n"
+            "  UNION ALL\n"
+            f"  SELECT arrayJoin([{', '.join(repr(tau) for tau in _FIXED_TAUS)}]) AS tau, 1 AS fixed\n"
+            ")\nGROUP BY tau\nORDER BY min(fixed), toFloat64(tau)"
+        ),
     ),
 )
 
@@ -268,75 +329,96 @@ PANELS: tuple[PanelSpec, ...] = (
     # --- headline numbers -----------------------------------------------------------------------
     _summary_stat(
         "coverage_now",
-        "Coverage at tau",
-        "Share of certificates <= tau over the range: finite sampled certificates in whole buckets "
-        "<= tau (a lower bound), times the share of finite certificates (+inf and NaN count as not covered).",
-        PanelQuery("A", coverage_sql(()), ("coverage_at_tau",)),
+        "Coverage at the engine's tau",
+        "Certificates at or below the tau in force in the engine, counted exactly over every decode step "
+        "(+inf and NaN are never covered).",
+        _stat_query(_ratio("Covered", "Certificates"), "coverage", _counts("Covered, Certificates")),
         "percentunit",
         max_value=1,
         higher_is_better=True,
     ),
     _summary_stat(
-        "gate_coverage_now",
-        "Covered at the engine's tau",
-        "Certificates at or below the tau in force in the engine, over every decode step (not only sampled ones).",
-        _counts_stat_query(_ratio("Covered", "Certificates"), "covered_fraction", "Covered, Certificates"),
+        "engine_tau",
+        "Engine tau",
+        "The gating threshold the selected engines reported over the range (lowest and highest).",
+        PanelQuery(
+            "A",
+            f"SELECT min(Value) AS {AT_LEAST}, max(Value) AS {AT_MOST}, toUInt8(1) AS {EXACT}\n"
+            "FROM otel_metrics_gauge\n"
+            f"WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n  AND {_RAW_SELECTION}\n"
+            "HAVING count() > 0",
+            (AT_LEAST, AT_MOST, EXACT),
+        ),
+        "none",
+        kind="interval",
+    ),
+    _summary_stat(
+        "coverage_at_tau",
+        "Coverage at tau ${tau}",
+        "Certificates at or below the dashboard's tau. Equal to the engine's exact count when tau is the "
+        "engine's; otherwise an interval from the sampled histogram (4 buckets per decade), never a point value.",
+        PanelQuery("A", coverage_interval_sql(with_time=False), (AT_LEAST, AT_MOST, EXACT)),
         "percentunit",
+        kind="interval",
         max_value=1,
         higher_is_better=True,
+    ),
+    _summary_stat(
+        "largest_certificate",
+        "Largest sampled certificate",
+        "The largest raw sampled certificate in the range (every stride-th step, maximum over the batch rows).",
+        _stat_query("max(Value)", "max_certificate", samples("Value")),
+        "short",
     ),
     _summary_stat(
         "fallback_now",
         "Fallback rate",
         "Head-steps repaired from the exact K/V backup, per certificate computed.",
-        _counts_stat_query(_ratio("Fallbacks", "Certificates"), "fallback_rate", "Fallbacks, Certificates"),
+        _stat_query(_ratio("Fallbacks", "Certificates"), "fallback_rate", _counts("Fallbacks, Certificates")),
         "percentunit",
     ),
     _summary_stat(
         "inf_now",
         "Infinite certificates",
         "Certificates that overflowed to +inf (still valid bounds, never averaged).",
-        _counts_stat_query("sum(Infinite)", "inf_certificates", "Infinite"),
+        _stat_query("sum(Infinite)", "inf_certificates", _counts("Infinite")),
         "short",
     ),
     # --- coverage ---------------------------------------------------------------------------------
     PanelSpec(
         key="coverage_overall",
-        title="Coverage over time at tau",
-        description="Coverage at tau (as in the summary), and certificates covered at the engine's own tau "
-        "over every decode step.",
+        title="Coverage at the engine's tau over time",
+        description="Certificates at or below the engine's tau over every decode step, counted exactly.",
         kind="timeseries",
-        queries=(
-            _coverage_query(),
-            _timeseries(
-                "B",
-                "counts",
-                "Covered, Certificates",
-                f"{_ratio('Covered', 'Certificates')} AS covered_at_engine_tau",
-                (),
-                ("covered_at_engine_tau",),
-            ),
-        ),
+        queries=(_exact_coverage_query(),),
         unit="percentunit",
         section="Coverage",
-        width=24,
         min_value=0,
         max_value=1,
         higher_is_better=True,
     ),
-    _coverage_by("model", KEY_MODEL),
-    _coverage_by("layer", KEY_LAYER_LABEL),
+    PanelSpec(
+        key="coverage_at_tau_over_time",
+        title="Coverage at tau ${tau} over time: at least, at most",
+        description="The interval of the summary's coverage at tau, per time bucket: the two lines meet where "
+        "the engine's tau is the dashboard's.",
+        kind="timeseries",
+        queries=(PanelQuery("A", coverage_interval_sql(with_time=True), (TIME, AT_LEAST, AT_MOST)),),
+        unit="percentunit",
+        section="Coverage",
+        min_value=0,
+        max_value=1,
+        higher_is_better=True,
+    ),
+    _coverage_by("model"),
+    _coverage_by("layer"),
     PanelSpec(
         key="coverage_heatmap",
-        title="Coverage at tau, layer x head",
-        description="Coverage at tau (as in the summary) for each (layer, head) over the range.",
+        title="Coverage at the engine's tau, layer x head",
+        description="Certificates at or below the engine's tau per (layer, global head), counted exactly.",
         kind="matrix",
         queries=(
-            PanelQuery(
-                "A",
-                coverage_sql((KEY_LAYER, KEY_HEAD)),
-                ("layer", "head", "coverage_at_tau"),
-            ),
+            _matrix_query(_ratio("Covered", "Certificates"), "coverage", _counts("Covered, Certificates, Layer, Head")),
         ),
         unit="percentunit",
         section="Layer x head",
@@ -346,11 +428,10 @@ PANELS: tuple[PanelSpec, ...] = (
     ),
     PanelSpec(
         key="max_certificate_heatmap",
-        title="Largest certificate, layer x head",
-        description="Upper bound of the highest non-empty histogram bucket per (layer, head): the largest "
-        "sampled certificate is at most this.",
+        title="Largest sampled certificate, layer x head",
+        description="The largest raw sampled certificate per (layer, global head) in the range.",
         kind="matrix",
-        queries=(_matrix_query("maxIf(UpperBound, Count > 0)", "max_certificate", "buckets", "UpperBound, Count"),),
+        queries=(_matrix_query("max(Value)", "max_certificate", samples("Value, Layer, Head")),),
         unit="short",
         section="Layer x head",
         min_value=0,
@@ -358,19 +439,17 @@ PANELS: tuple[PanelSpec, ...] = (
     # --- distribution -------------------------------------------------------------------------------
     PanelSpec(
         key="certificate_quantiles",
-        title="Certificate quantiles",
-        description="p50, p90, p99 of sampled certificates, each the upper bound of the bucket holding it.",
+        title="Sampled certificate quantiles",
+        description="p50, p90, p99 of the raw sampled certificates per time bucket: each is a sampled value "
+        "(the one at rank floor(q x n) of the n sorted samples), +inf included.",
         kind="timeseries",
         queries=(
             _timeseries(
                 "A",
-                "buckets",
-                "UpperBound, Count",
-                "quantileExactWeighted(0.5)(UpperBound, Count) AS p50, "
-                "quantileExactWeighted(0.9)(UpperBound, Count) AS p90, "
-                "quantileExactWeighted(0.99)(UpperBound, Count) AS p99",
+                samples("Value"),
+                ", ".join(f"quantileExactHigh({level})(Value) AS p{round(level * 100)}" for level in QUANTILES),
                 (),
-                ("p50", "p90", "p99"),
+                tuple(f"p{round(level * 100)}" for level in QUANTILES),
             ),
         ),
         unit="short",
@@ -385,8 +464,7 @@ PANELS: tuple[PanelSpec, ...] = (
         queries=(
             _timeseries(
                 "A",
-                "counts",
-                "Vacuous, Infinite, NaNs, Certificates",
+                _counts("Vacuous, Infinite, NaNs, Certificates"),
                 f"{_ratio('Vacuous', 'Certificates')} AS vacuous_fraction, "
                 f"{_ratio('Infinite', 'Certificates')} AS inf_fraction, "
                 f"{_ratio('NaNs', 'Certificates')} AS nan_fraction",
@@ -407,8 +485,7 @@ PANELS: tuple[PanelSpec, ...] = (
         queries=(
             _timeseries(
                 "A",
-                "counts",
-                "Fallbacks, Certificates",
+                _counts("Fallbacks, Certificates", ("model",)),
                 f"{_ratio('Fallbacks', 'Certificates')} AS fallback_rate",
                 ("model",),
                 ("fallback_rate",),
@@ -426,8 +503,7 @@ PANELS: tuple[PanelSpec, ...] = (
         queries=(
             _timeseries(
                 "A",
-                "counts",
-                "RepairedBytes",
+                _counts("RepairedBytes", ("model",)),
                 f"sum(RepairedBytes) / {_BUCKET_SECONDS} AS repaired_bytes_per_s",
                 ("model",),
                 ("repaired_bytes_per_s",),
@@ -440,14 +516,14 @@ PANELS: tuple[PanelSpec, ...] = (
     # --- telemetry health -----------------------------------------------------------------------------
     PanelSpec(
         key="samples_per_second",
-        title="Stored samples per second",
-        description="Sampled certificates stored, per instance.",
+        title="Histogram certificates per second",
+        description="Finite certificates entered in the histogram (every batch row of the sampled steps), "
+        "per instance.",
         kind="timeseries",
         queries=(
             _timeseries(
                 "A",
-                "buckets",
-                "Count",
+                rollup("buckets", "Count, Instance"),
                 f"sum(Count) / {_BUCKET_SECONDS} AS samples_per_s",
                 ("instance",),
                 ("samples_per_s",),
@@ -463,7 +539,9 @@ PANELS: tuple[PanelSpec, ...] = (
         title="Dropped points",
         description="Points the engine dropped because its export buffer was full.",
         kind="timeseries",
-        queries=(_timeseries("A", "counts", "Dropped", "sum(Dropped) AS dropped", ("instance",), ("dropped",)),),
+        queries=(
+            _timeseries("A", _counts("Dropped", ("instance",)), "sum(Dropped) AS dropped", ("instance",), ("dropped",)),
+        ),
         unit="short",
         section="Telemetry health",
         width=8,
@@ -481,8 +559,7 @@ PANELS: tuple[PanelSpec, ...] = (
                 f"ResourceAttributes['{names.RESOURCE_INSTANCE}'] AS instance, max(Value) AS export_lag_s\n"
                 "FROM otel_metrics_gauge\n"
                 f"WHERE MetricName = '{names.EXPORT_LAG}' AND $__timeFilter(TimeUnix)\n"
-                f"  AND ResourceAttributes['{names.RESOURCE_MODEL}'] IN (${{model:singlequote}})\n"
-                f"  AND ResourceAttributes['{names.RESOURCE_INSTANCE}'] IN (${{instance:singlequote}})\n"
+                f"  AND {_RAW_SELECTION}\n"
                 f"GROUP BY {TIME}, instance\n"
                 f"ORDER BY {TIME}, instance",
                 (TIME, "instance", "export_lag_s"),

@@ -1,4 +1,5 @@
-"""Push the datasource, folder, dashboard and alert rules to a running Grafana (grafana-client).
+"""Push the datasource, folder, dashboard, alert rules, contact point and notification policy to a
+running Grafana (grafana-client).
 
 Every step reads first and then creates or updates by fixed uid, so pushing twice leaves Grafana
 as pushing once did. Failures that an operator can fix (unreachable, rejected credentials, missing
@@ -7,15 +8,27 @@ permission, Grafana too old, ClickHouse plugin not installed) become a ``PushErr
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaUnauthorizedError
 from niquests.exceptions import RequestException  # grafana-client's HTTP layer: network failures
 
-from .alerts import EVALUATION_INTERVAL_S, RULE_GROUP, alert_rules, alert_specs
+from .alerts import (
+    CONTACT_POINT,
+    DEFAULT_RECEIVERS,
+    EVALUATION_INTERVAL_S,
+    RULE_GROUP,
+    alert_rules,
+    alert_specs,
+    contact_points,
+    notification_policy,
+)
 from .datasource import DATASOURCE_UID, PLUGIN_ID
 from .export import ClickHouseConnection, datasource_payload
 from .grafana import FOLDER_TITLE, FOLDER_UID, dashboard_json
@@ -89,7 +102,11 @@ def _check_plugin(api: GrafanaApi) -> None:
 
 
 def _push_all(
-    api: GrafanaApi, report: PushReport, connection: ClickHouseConnection, rules: list[dict[str, Any]]
+    api: GrafanaApi,
+    report: PushReport,
+    connection: ClickHouseConnection,
+    rules: list[dict[str, Any]],
+    points: list[dict[str, Any]],
 ) -> None:
     payload = datasource_payload(connection)
     if _exists(api.datasource.get_datasource_by_uid, DATASOURCE_UID):
@@ -127,24 +144,45 @@ def _push_all(
         {"title": RULE_GROUP, "folderUid": FOLDER_UID, "interval": EVALUATION_INTERVAL_S, "rules": rules},
     )
 
+    existing = {point.get("uid") for point in api.alertingprovisioning.get_contactpoints(name=CONTACT_POINT)}
+    for point in points:
+        if point["uid"] in existing:
+            api.alertingprovisioning.update_contactpoint(point["uid"], point)
+            report.record("contact point", created=False)
+        else:
+            api.alertingprovisioning.create_contactpoint(point)
+            report.record("contact point", created=True)
+    api.alertingprovisioning.set_notification_policy_tree(notification_policy())
+    report.record("notification policy", created=False)
+
 
 def push(
     url: str,
     connection: ClickHouseConnection,
     credential: str | tuple[str, str] | None = None,
     timeout_s: float = 10.0,
+    receivers: Sequence[str] = DEFAULT_RECEIVERS,
+    environ: Mapping[str, str] | None = None,
     **alert_thresholds: Any,
 ) -> PushReport:
     """Create or update everything witcert needs in the Grafana at ``url``.
 
     ``credential``: an API token, or (user, password); without it, user:password from the URL.
+    ``receivers``: the contact point's kinds; their destinations come from ``environ`` (default: this
+    process's environment), e.g. ``WITCERT_ALERT_WEBHOOK_URL``.
     """
+    scheme = urlsplit(url).scheme
+    if scheme not in ("http", "https"):
+        raise PushError(
+            f"--grafana {url!r} has no http:// or https:// scheme: write it as http://{url.split('://')[-1]}"
+        )
+    points = contact_points(receivers, os.environ if environ is None else environ)
     rules = alert_rules(alert_specs(**alert_thresholds))
     api = GrafanaApi.from_url(url, credential=credential, timeout=timeout_s)
     report = PushReport(grafana_version=_check_server(api, url))
     try:
         _check_plugin(api)
-        _push_all(api, report, connection, rules)
+        _push_all(api, report, connection, rules, points)
     except GrafanaUnauthorizedError as error:
         raise PushError(
             f"Grafana at {url} rejected the credentials (401): pass --token, or user:password in the URL"

@@ -1,11 +1,15 @@
-"""The built-in page, end to end: the opentelemetry-sdk's OTLP/HTTP exporter sends to a running
-witcert collector with the page mounted through its route hook; the page's API runs the panel SQL;
-headless Chromium (Debian ``chromium``) loads the page with no console message and fills every panel.
+"""The built-in page, end to end: engines' telemetry (``fleet.py``: the real aggregator and OTLP stream
+with chosen certificates) reaches a running witcert collector with the page mounted through its route
+hook; every page API answer equals the figure computed from the certificates sent; headless Chromium
+(Debian ``chromium``) loads the page with no console message, fills every panel, and the numbers it
+renders are those figures.
 """
 
 from __future__ import annotations
 
+import html
 import json
+import math
 import os
 import re
 import shutil
@@ -15,13 +19,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
+import fleet
 import pytest
-from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-from opentelemetry.sdk.metrics.export import MetricExportResult
-from test_dashboards import INSTANCES, MODEL, NOW, metrics_data
+from fleet import INSTANCES, MODEL, NOW
+from test_dashboards import WHAT_IF_TAUS, assert_rows_equal
 
 from witcert.collector.config import CollectorConfig
 from witcert.collector.service import Collector
@@ -43,18 +48,20 @@ def test_a_store_without_the_schema_gets_a_502_not_a_crash(tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory):
+def served(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("page")
     config = CollectorConfig(
         store_url=f"chdb://{root / 'store'}", otlp_http="127.0.0.1:0", otlp_grpc=None, spool_dir=root / "spool"
     )
     with Collector(config, extra_routes=page.routes()) as collector:
-        exporter = OTLPMetricExporter(endpoint=f"http://127.0.0.1:{collector.ports.http}/v1/metrics", timeout=30)
-        for instance in INSTANCES:
-            assert exporter.export(metrics_data(instance)) is MetricExportResult.SUCCESS
-        exporter.shutdown()
+        records = fleet.send(f"http://127.0.0.1:{collector.ports.http}/v1/metrics")
         assert collector.wait_stored(60)
-        yield f"http://127.0.0.1:{collector.ports.http}{page.PREFIX}"
+        yield f"http://127.0.0.1:{collector.ports.http}{page.PREFIX}", fleet.Fleet(records)
+
+
+@pytest.fixture(scope="module")
+def base_url(served) -> str:
+    return served[0]
 
 
 def get(url: str) -> tuple[int, dict]:
@@ -75,19 +82,34 @@ def test_layout_lists_panels_and_the_stores_variables(base_url: str):
     assert [p["key"] for p in layout["panels"]] == [spec.key for spec in panels.PANELS]
     options = {v["name"]: v["options"] for v in layout["variables"]}
     assert options["model"] == [MODEL]
-    assert options["instance"] == list(INSTANCES)
+    assert options["instance"] == sorted(INSTANCES)
+    assert options["tau"][0] == repr(fleet.TAU)
 
 
-def test_panel_api_runs_the_panel_sql_with_the_selection(base_url: str):
-    status, data = get(f"{base_url}/api/panels/gate_coverage_now?{window(instance='node-a')}")
-    assert status == 200
-    assert data["results"][0]["rows"] == [[1.0]]
-    status, data = get(f"{base_url}/api/panels/inf_now?{window(instance=quote('node-b') + ',' + quote('node-c'))}")
-    assert data["results"][0]["rows"] == [[5 * 4 * 2 * 10]]
-    status, data = get(f"{base_url}/api/panels/coverage_heatmap?{window(tau='0.01')}")
-    assert {(layer, head): round(v, 9) for layer, head, v in data["results"][0]["rows"]} == {
-        (layer, head): round(10 / (10 + layer) * (1 - 50 / 24000), 9) for layer in range(4) for head in range(2)
-    }
+def _from_json(rows: list[list]) -> list[tuple]:
+    return [tuple(float("inf") if value == "+Inf" else value for value in row) for row in rows]
+
+
+@pytest.mark.parametrize("key", [spec.key for spec in panels.PANELS if spec.key != "export_lag"])
+def test_every_page_answer_is_the_figure_computed_from_the_certificates(served, key: str):
+    base_url, sent = served
+    spec = panels.panel(key)
+    taus = WHAT_IF_TAUS if "${tau}" in spec.queries[0].sql else (None,)
+    for tau in taus:
+        status, data = get(f"{base_url}/api/panels/{key}?{window(**({'tau': tau} if tau else {}))}")
+        assert status == 200, data
+        (result,) = data["results"]
+        expected = fleet.expected_answer(sent, key, tau or repr(fleet.TAU))
+        assert_rows_equal(_from_json(result["rows"]), expected, f"{key} at tau={tau}")
+
+
+def test_panel_api_narrows_to_the_selection(served):
+    base_url, sent = served
+    instances = ["node-b", "node-c"]
+    status, data = get(f"{base_url}/api/panels/inf_now?{window(instance=','.join(quote(i) for i in instances))}")
+    assert status == 200 and data["results"][0]["rows"] == [
+        list(fleet.expected_answer(sent, "inf_now", "", instances)[0])
+    ]
 
 
 @pytest.mark.parametrize(
@@ -143,12 +165,93 @@ def test_page_loads_in_chromium_without_console_messages_and_fills_every_panel(b
     assert image.startswith(b"\x89PNG") and len(image) > 50_000  # a blank page compresses to a few kB
 
 
-def test_a_link_fixes_the_first_view(base_url: str, tmp_path: Path):
+def _to_fixed(value: float, digits: int) -> str:
+    # JavaScript's toFixed: the exact binary value, ties away from zero.
+    return str(Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
+def page_text(value: float, unit: str) -> str:
+    """What page.js's formatValue shows for ``value`` (the same rules, written again here)."""
+    if math.isinf(value):
+        return "\u221e"
+    if unit == "percentunit":
+        digits = 3 if abs(value) < 0.01 else 1
+        text = _to_fixed(100 * value, digits)
+        while digits < 6 and ((value != 1 and float(text) == 100) or (value != 0 and float(text) == 0)):
+            digits += 1
+            text = _to_fixed(100 * value, digits)
+        return text + "%"
+    if unit == "none":
+        return repr(value)
+    if value != 0 and abs(value) < 0.01:
+        mantissa, exponent = f"{Decimal(value):.1e}".split("e")
+        return f"{mantissa}e{int(exponent):+d}".replace("e+", "e+").replace("+-", "-")
+    if float(value).is_integer():
+        return str(int(value))
+    exponent = Decimal(value).adjusted()  # toPrecision(3): three significant digits, fixed notation here
+    return _to_fixed(value, max(0, 2 - exponent))
+
+
+def _panel_chunks(dom: str) -> dict[str, str]:
+    parts = dom.split('<section class="panel" id="panel-')[1:]
+    return {part.split('"', 1)[0]: part for part in parts}
+
+
+def _json_number(text: str) -> float:
+    return float("inf") if text == "+Inf" else float(text)
+
+
+@pytest.mark.parametrize("tau", ["0.05", "0.04"])
+def test_the_numbers_rendered_are_the_exact_figures(served, tmp_path: Path, tau: str):
+    base_url, sent = served
+    loaded = _chromium("--dump-dom", f"{base_url}/?{window(tau=tau)}", profile=tmp_path / "profile")
+    chunks = _panel_chunks(loaded.stdout)
+    checked = 0
+    for spec in panels.PANELS:
+        chunk = chunks[spec.key]
+        if spec.kind == "stat":
+            ((expected,),) = fleet.expected_answer(sent, spec.key, tau)
+            found = re.search(r'class="stat" data-value="([^"]*)"[^>]*>([^<]*)<', chunk)
+            assert found, spec.key
+            assert _json_number(found.group(1)) == expected, spec.key
+            assert found.group(2) == page_text(expected, spec.unit), spec.key
+        elif spec.kind == "interval":
+            ((low, high, exact),) = fleet.expected_answer(sent, spec.key, tau)
+            found = re.search(r'class="stat[^"]*" data-at-least="([^"]*)" data-at-most="([^"]*)"[^>]*>([^<]*)<', chunk)
+            assert found, spec.key
+            assert (_json_number(found.group(1)), _json_number(found.group(2))) == (low, high), spec.key
+            text = page_text(low, spec.unit)
+            if low != high:
+                text = f"between {text} and {page_text(high, spec.unit)}"
+            if not exact:
+                assert "an interval from the sampled histogram" in chunk or "sampled steps only" in chunk, spec.key
+            assert html.unescape(found.group(3)) == text, spec.key
+        elif spec.kind == "matrix":
+            cells = {
+                (int(layer), int(head)): (_json_number(value), html.unescape(shown))
+                for value, layer, head, shown in re.findall(
+                    r'<td data-value="([^"]*)"[^>]*title="layer (\d+), head (\d+): ([^"]*)"', chunk
+                )
+            }
+            expected_cells = {(layer, head): value for layer, head, value in fleet.expected_answer(sent, spec.key, tau)}
+            assert {cell: value for cell, (value, _) in cells.items()} == expected_cells, spec.key
+            assert all(shown == page_text(expected_cells[cell], spec.unit) for cell, (_, shown) in cells.items())
+        else:
+            continue
+        checked += 1
+    assert checked == sum(spec.kind != "timeseries" for spec in panels.PANELS)
+    if tau == "0.04":  # inside a bucket that holds certificates
+        assert "between " in chunks["coverage_at_tau"]
+
+
+def test_a_link_fixes_the_first_view(served, tmp_path: Path):
     """``witcert demo`` prints a link with the range, tau and selection: the page must start there."""
+    base_url, sent = served
     link = window(instance=quote("node-b"), tau="0.01")
     dom = _chromium("--dump-dom", f"{base_url}/?{link}", profile=tmp_path / "profile").stdout
     inf_stat = re.search(r'id="panel-inf_now".*?class="stat"[^>]*>([^<]*)<', dom, re.S)
-    assert inf_stat and inf_stat.group(1) == "400"  # node-b alone: 5 degraded minutes x 8 heads x 10
+    ((infinite,),) = fleet.expected_answer(sent, "inf_now", "0.01", ["node-b"])
+    assert inf_stat and inf_stat.group(1) == str(infinite)
     assert '<option value="0.01" selected="">0.01</option>' in dom
     assert '<option value="linked" selected="">as linked</option>' in dom
 

@@ -2,9 +2,10 @@
 
 No Grafana server can be installed here (no registry carries one), so the far end is a small
 stand-in that keeps objects in memory and answers the endpoints push uses with Grafana's status
-codes and shapes (build info, plugin settings, datasources, folders, dashboards, alert-rule and
-rule-group provisioning; basic and bearer auth; viewer role). It is a test double for an absent
-component, not a mock of our code: what is tested is our push logic and grafana-client together.
+codes and shapes (build info, plugin settings, datasources, folders, dashboards, alert-rule,
+rule-group, contact-point and notification-policy provisioning; basic and bearer auth; viewer role).
+It is a test double for an absent component, not a mock of our code: what is tested is our push
+logic and grafana-client together.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from witcert.dashboards.push import PushError, push
 ADMIN = ("admin", "secret")
 VIEWER_TOKEN = "viewer-token"
 CONNECTION = ClickHouseConnection(host="clickhouse", database="default", username="witcert_reader", password="pw")
+DESTINATIONS = {"WITCERT_ALERT_WEBHOOK_URL": "https://hooks.example/witcert", "WITCERT_ALERT_EMAIL_ADDRESSES": "a@b.c"}
+
+
+@pytest.fixture(autouse=True)
+def alert_destinations(monkeypatch: pytest.MonkeyPatch):
+    for name, value in DESTINATIONS.items():
+        monkeypatch.setenv(name, value)
 
 
 class FakeGrafana(ThreadingHTTPServer):
@@ -39,6 +47,8 @@ class FakeGrafana(ThreadingHTTPServer):
             "dashboard": {},
             "rule": {},
             "group": {},
+            "contact point": {},
+            "policy": {},
         }
         self.lock = threading.Lock()
 
@@ -131,6 +141,26 @@ class _Handler(BaseHTTPRequestHandler):
                     "meta": {"folderUid": body["folderUid"]},
                 }
                 return self._reply(200, {"uid": dashboard["uid"], "status": "success"})
+            if path == "/api/v1/provisioning/contact-points":
+                if self.command == "GET":
+                    return self._reply(200, list(objects["contact point"].values()))
+                if self.command == "POST":
+                    if not {"uid", "name", "type", "settings"} <= set(body):
+                        return self._reply(400, {"message": "invalid contact point"})
+                    objects["contact point"][body["uid"]] = body
+                    return self._reply(202, body)
+            match = re.fullmatch(r"/api/v1/provisioning/contact-points/([\w-]+)", path)
+            if match and self.command == "PUT":
+                if match.group(1) not in objects["contact point"]:
+                    return self._reply(404, {"message": "contact point not found"})
+                objects["contact point"][match.group(1)] = body
+                return self._reply(202, body)
+            if path == "/api/v1/provisioning/policies" and self.command == "PUT":
+                receivers = {point["name"] for point in objects["contact point"].values()}
+                if body.get("receiver") not in receivers:
+                    return self._reply(400, {"message": "policy names an unknown contact point"})
+                objects["policy"]["tree"] = body
+                return self._reply(202, {"message": "policies updated"})
             match = re.fullmatch(r"/api/v1/provisioning/folder/([\w-]+)/rule-groups/([\w-]+)", path)
             if match and self.command == "PUT":
                 if not all(rule["uid"] in objects["rule"] and _valid_rule(rule) for rule in body["rules"]):
@@ -165,14 +195,16 @@ def fake_grafana():
 
 def test_push_creates_everything_then_updates_in_place(fake_grafana):
     server = fake_grafana()
-    first = push(server.url, CONNECTION, credential=ADMIN)
+    first = push(server.url, CONNECTION, credential=ADMIN, receivers=("webhook", "email"))
     assert first.actions == {
         "datasource created": 1, "folder created": 1, "dashboard created": 1, "alert rule created": 4,
+        "contact point created": 2, "notification policy updated": 1,
     }  # fmt: skip
     after_first = copy.deepcopy(server.objects)
-    second = push(server.url, CONNECTION, credential=ADMIN)
+    second = push(server.url, CONNECTION, credential=ADMIN, receivers=("webhook", "email"))
     assert second.actions == {
         "datasource updated": 1, "folder updated": 1, "dashboard updated": 1, "alert rule updated": 4,
+        "contact point updated": 2, "notification policy updated": 1,
     }  # fmt: skip
     assert server.objects == after_first  # idempotent: the second push changed nothing
     stored = server.objects
@@ -180,6 +212,23 @@ def test_push_creates_everything_then_updates_in_place(fake_grafana):
     assert stored["dashboard"][grafana.DASHBOARD_UID]["dashboard"] == grafana.dashboard_json()
     assert set(stored["rule"]) == {spec.uid for spec in alerts.alert_specs()}
     assert stored["group"][f"{grafana.FOLDER_UID}/{alerts.RULE_GROUP}"]["interval"] == alerts.EVALUATION_INTERVAL_S
+    destinations = {uid: point["settings"] for uid, point in stored["contact point"].items()}
+    assert destinations["witcert-webhook"]["url"] == DESTINATIONS["WITCERT_ALERT_WEBHOOK_URL"]
+    assert destinations["witcert-email"]["addresses"] == DESTINATIONS["WITCERT_ALERT_EMAIL_ADDRESSES"]
+    assert stored["policy"]["tree"] == alerts.notification_policy()
+
+
+def test_push_needs_each_receivers_destination(fake_grafana, monkeypatch: pytest.MonkeyPatch):
+    server = fake_grafana()
+    monkeypatch.delenv("WITCERT_ALERT_WEBHOOK_URL")
+    with pytest.raises(ValueError, match="WITCERT_ALERT_WEBHOOK_URL"):
+        push(server.url, CONNECTION, credential=ADMIN)
+    assert server.objects["datasource"] == {}  # refused before anything was written
+
+
+def test_a_grafana_url_without_a_scheme_is_refused_with_the_fix():
+    with pytest.raises(PushError, match="write it as http://grafana:3000"):
+        push("grafana:3000", CONNECTION, credential=ADMIN)
 
 
 def test_push_carries_alert_thresholds(fake_grafana):

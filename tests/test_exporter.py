@@ -28,7 +28,7 @@ from test_aggregator import TAU, oracle, run_stream, synthetic_stream
 from witcert.integrations.telemetry import CertificateAggregator, schema
 from witcert.integrations.telemetry.exporter import COUNTER_METRICS, EngineIdentity, TelemetryStream, otlp_http_exporter
 
-IDENTITY = EngineIdentity(model="test-model", engine="synthetic", instance="test-0", tp_rank=1)
+IDENTITY = EngineIdentity(model="test-model", engine="synthetic", instance_id="test-0")
 
 
 class OTLPReceiver:
@@ -154,7 +154,7 @@ def test_stream_delivers_exact_counts_histograms_and_raw_samples(receiver):
     for resource, metric in receiver.metrics():
         resource_attributes = {a.key: a.value for a in resource.attributes}
         assert resource_attributes[schema.RESOURCE_MODEL].string_value == "test-model"
-        assert resource_attributes[schema.RESOURCE_TP_RANK].int_value == 1
+        assert resource_attributes[schema.RESOURCE_TP_RANK].int_value == 0
         assert resource_attributes[schema.RESOURCE_INSTANCE].string_value == "test-0"
         if metric.name == schema.CERTIFICATE_VALUE:
             assert metric.histogram.aggregation_temporality == AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA

@@ -20,7 +20,7 @@ def test_counts_and_samples_arrive_in_the_store_exactly(collector):
     num_steps, num_layers, num_heads, batch, stride = 24, 2, 3, 4, 4
     steps = synthetic_stream(num_steps, num_layers, num_heads, batch, seed=21)
     aggregator = CertificateAggregator(num_layers, num_heads, tau=TAU, stride=stride, device="cpu")
-    identity = EngineIdentity(model="e2e-model", engine="synthetic", instance="engine-0")
+    identity = EngineIdentity(model="e2e-model", engine="synthetic", instance_id="engine-0")
     endpoint = f"http://127.0.0.1:{collector.ports.http}/v1/metrics"
     stream = TelemetryStream(aggregator, otlp_http_exporter(endpoint), identity, flush_steps=5)
     for step in steps:

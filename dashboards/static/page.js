@@ -21,11 +21,24 @@ function formatValue(value, unit) {
   if (value === "+Inf") return "\u221e";
   if (value === null || value === undefined || Number.isNaN(value)) return "\u2013";
   switch (unit) {
-    case "percentunit": return (100 * value).toFixed(Math.abs(value) < 0.01 ? 3 : 1) + "%";
+    case "percentunit": return percent(value);
     case "Bps": return compact(value) + "B/s";
     case "s": return value < 1 ? (1000 * value).toFixed(0) + " ms" : value.toFixed(2) + " s";
+    case "none": return String(value);
     default: return compact(value);
   }
+}
+
+// A share as a percentage that never reads as 100% or 0% unless it is exactly that: digits are added
+// until the rounded text differs from the bound it is close to.
+function percent(value) {
+  let digits = Math.abs(value) < 0.01 ? 3 : 1;
+  let text = (100 * value).toFixed(digits);
+  while (digits < 6 && ((value !== 1 && Number(text) === 100) || (value !== 0 && Number(text) === 0))) {
+    digits += 1;
+    text = (100 * value).toFixed(digits);
+  }
+  return text + "%";
 }
 
 function compact(value) {
@@ -103,6 +116,14 @@ function renderVariables(variables) {
   }
 }
 
+// Panel titles may name a variable (${tau}), as Grafana titles do.
+function withVariables(text) {
+  return text.replace(/\$\{(\w+)\}/g, (whole, name) => {
+    const select = document.querySelector(`#variables select[name="${name}"]`);
+    return select && select.value ? select.value : whole;
+  });
+}
+
 function renderSections(panels) {
   const main = document.getElementById("sections");
   main.replaceChildren();
@@ -122,7 +143,7 @@ function renderSections(panels) {
     box.dataset.kind = panel.kind;
     box.style.gridColumn = `span ${panel.width}`;
     const title = document.createElement("h3");
-    title.textContent = panel.title;
+    title.textContent = withVariables(panel.title);
     title.title = panel.description;
     const body = document.createElement("div");
     body.className = "body";
@@ -138,9 +159,36 @@ function renderStat(panel, body, data) {
   const div = document.createElement("div");
   div.className = "stat";
   div.textContent = formatValue(value, panel.unit);
+  div.dataset.value = String(value);
   div.style.background = colorFor(value, panel.min ?? 0, panel.max ?? 1, panel.higherIsBetter);
   body.replaceChildren(div);
   return value !== null;
+}
+
+// An interval (at least, at most, exact): one figure when both ends agree, otherwise "between a and b",
+// labelled as the bucket-derived interval it is; coloured by its worse end.
+function renderInterval(panel, body, data) {
+  const rows = data.results[0].rows;
+  if (!rows.length || rows[0][0] === null || rows[0][1] === null) return false;
+  const [low, high, exact] = rows[0];
+  const div = document.createElement("div");
+  div.className = "stat";
+  div.dataset.atLeast = String(low);
+  div.dataset.atMost = String(high);
+  const note = document.createElement("div");
+  note.className = "note";
+  if (low === high) {
+    div.textContent = formatValue(low, panel.unit);
+    note.textContent = exact ? "" : "sampled steps only (histogram)";
+  } else {
+    div.className = "stat range";
+    div.textContent = `between ${formatValue(low, panel.unit)} and ${formatValue(high, panel.unit)}`;
+    note.textContent = exact ? "" : "an interval from the sampled histogram, not a point value";
+  }
+  const worse = panel.higherIsBetter ? low : high;
+  div.style.background = colorFor(worse, panel.min ?? 0, panel.max ?? 1, panel.higherIsBetter);
+  body.replaceChildren(div, note);
+  return true;
 }
 
 // Long rows (time, labels..., values...) -> uPlot's columnar data, one series per label set and value.
@@ -230,6 +278,7 @@ function renderMatrix(panel, body, data) {
       const value = cells.get(`${layer}:${head}`);
       const td = tr.insertCell();
       td.textContent = value === undefined ? "" : formatValue(value, panel.unit);
+      if (value !== undefined) td.dataset.value = String(value);
       td.style.background = value === undefined ? "transparent" : colorFor(value, min, max, panel.higherIsBetter);
       td.title = `layer ${layer}, head ${head}: ${td.textContent}`;
     }
@@ -238,7 +287,7 @@ function renderMatrix(panel, body, data) {
   return true;
 }
 
-const RENDERERS = { stat: renderStat, timeseries: renderTimeseries, matrix: renderMatrix };
+const RENDERERS = { stat: renderStat, interval: renderInterval, timeseries: renderTimeseries, matrix: renderMatrix };
 
 async function loadPanel(panel, params, generation) {
   const box = document.getElementById("panel-" + panel.key);

@@ -49,7 +49,7 @@ from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
 from witcert.integrations.sglang.pool import WitcertKVPool
 from witcert.integrations.telemetry.aggregator import CertificateAggregator
-from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
+from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, export_configured, otlp_exporter
 from witcert.integrations.telemetry.step_report import StepReport
 from witcert.kernels import ExtendBounds, decode_attention, extend_attention
 
@@ -129,17 +129,22 @@ class WitcertAttnBackend(AttentionBackend):
                 device=self.device,
                 owner="the witcert backend",
             )
-            if self.settings.collector_endpoint is not None:
+            endpoint = self.settings.collector_endpoint
+            if endpoint is not None or export_configured():
                 server_args = model_runner.server_args
+                parallel = get_parallel()
                 self.stream = TelemetryStream(
                     self.aggregator,
-                    otlp_http_exporter(str(self.settings.collector_endpoint)),
+                    otlp_exporter(None if endpoint is None else str(endpoint)),
                     EngineIdentity(
                         model=str(getattr(server_args, "served_model_name", None) or server_args.model_path),
                         engine="sglang",
-                        tp_rank=get_parallel().tp_rank,
+                        tp_rank=parallel.tp_rank,
+                        # Each worker process of a server on this host: the port and the GPU tell them apart.
+                        instance_key=f"{server_args.port}/{getattr(model_runner, 'gpu_id', '')}",
                     ),
                     flush_seconds=self.settings.flush_seconds,
+                    first_head=parallel.attn_tp_rank * self.num_q_heads,
                 )
                 # Export what was counted since the last flush when the worker exits normally.
                 atexit.register(self._close_stream)

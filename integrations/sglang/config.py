@@ -36,9 +36,13 @@ class WitcertSGLangSettings(BaseModel):
     tau: float = Field(0.05, gt=0.0, lt=1.0, description="TV bound: above it a head is uncovered (and repaired)")
     stride: int = Field(32, ge=1, description="the aggregator keeps raw samples every stride-th decode step")
     collector_endpoint: AnyHttpUrl | None = Field(
-        None, description="OTLP/HTTP metrics URL, e.g. http://host:4318/v1/metrics; unset: no export"
+        None,
+        description="OTLP metrics endpoint, e.g. http://host:4318 (shorthand for OTEL_EXPORTER_OTLP_METRICS_ENDPOINT); "
+        "unset and no OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT: no export",
     )
-    flush_seconds: float = Field(10.0, gt=0.0, description="seconds between telemetry flushes")
+    flush_seconds: float | None = Field(
+        None, gt=0.0, description="seconds between telemetry flushes; unset: OTEL_METRIC_EXPORT_INTERVAL, else 10"
+    )
     outlier_pairs: int = Field(0, ge=0, description="RoPE pairs per head stored exactly (lowest frequencies)")
     dither_bits: Literal[8, 16, 24] = Field(8, description="bits per dither value (only 8 has a fused Triton kernel)")
     group_size: int = Field(32, gt=0, description="channels sharing one fp16 scale")

@@ -27,18 +27,33 @@ them) are counted and exported later as ``witcert.telemetry.dropped``.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import math
 import os
 import queue
-import socket
 import threading
 import time
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
+from grpc import Compression as GrpcCompression
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.sdk.environment_variables import (
+    OTEL_EXPORTER_OTLP_COMPRESSION,
+    OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_METRICS_COMPRESSION,
+    OTEL_EXPORTER_OTLP_METRICS_ENDPOINT,
+    OTEL_EXPORTER_OTLP_METRICS_PROTOCOL,
+    OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_METRIC_EXPORT_INTERVAL,
+)
 from opentelemetry.sdk.metrics import Counter, MeterProvider
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -55,11 +70,11 @@ from opentelemetry.sdk.metrics.export import (
     ScopeMetrics,
 )
 from opentelemetry.sdk.metrics.view import View
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource, get_aggregated_resources
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from witcert import __version__
-from witcert.integrations.telemetry import schema as schema
+from witcert.integrations.telemetry import schema
 from witcert.integrations.telemetry.aggregator import AggregatorSnapshot, CertificateAggregator, decode_state
 
 _log = logging.getLogger(__name__)
@@ -76,26 +91,81 @@ COUNTER_METRICS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# OpenTelemetry's namespace for UUID v5 service.instance.id values derived from a stable identity (semconv).
+SERVICE_INSTANCE_NAMESPACE = uuid.UUID("4d63009a-8d0f-11ee-aad7-4c796ed8e320")
+DEFAULT_SERVICE_NAME = "witcert-engine"
+DEFAULT_FLUSH_SECONDS = 10.0
+# Environment variables of the OpenTelemetry SDK configuration and witcert's shorthand.
+COLLECTOR_ENDPOINT_ENV = "WITCERT_COLLECTOR_ENDPOINT"
+_ENDPOINT_ENVS = (COLLECTOR_ENDPOINT_ENV, OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT)
+_PROTOCOL_ENVS = (OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL)
+_COMPRESSION_ENVS = (OTEL_EXPORTER_OTLP_METRICS_COMPRESSION, OTEL_EXPORTER_OTLP_COMPRESSION)
+PROTOCOLS = ("http/protobuf", "grpc")
+
+
+class TelemetryConfigError(ValueError):
+    """An OpenTelemetry or witcert telemetry variable has a value the stream cannot use."""
+
+
 @dataclass(frozen=True)
 class EngineIdentity:
-    """Who is reporting: the OTLP resource attributes of every batch."""
+    """Who is reporting: the OTLP resource of every batch, detected the OpenTelemetry way.
+
+    ``service.name`` defaults to ``witcert-engine``; ``host.name`` (with ``host.id`` and ``host.arch``)
+    comes from the SDK's host detector; ``service.instance.id`` is a UUID v5 in OpenTelemetry's
+    namespace over the host, engine, model, ``instance_key`` (what tells apart engines of one model
+    on one host, e.g. a port) and TP rank, so a restarted engine reports under the same id and each
+    rank is a single writer of its own series. ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``
+    override any of them (the SDK's environment detector runs last); ``instance_id`` does in code.
+    """
 
     model: str
     engine: str
-    instance: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     tp_rank: int = 0
-    service_name: str = "witcert-engine"
+    instance_key: str = ""
+    instance_id: str | None = None
+    service_name: str = DEFAULT_SERVICE_NAME
 
-    def resource(self) -> Resource:
-        return Resource.create(
+    @functools.cached_property
+    def _resource(self) -> Resource:
+        (host_detector,) = entry_points(group="opentelemetry_resource_detector", name="host")
+        base = Resource(
             {
                 schema.RESOURCE_SERVICE_NAME: self.service_name,
-                schema.RESOURCE_INSTANCE: self.instance,
+                schema.RESOURCE_SERVICE_VERSION: __version__,
                 schema.RESOURCE_MODEL: self.model,
                 schema.RESOURCE_ENGINE: self.engine,
                 schema.RESOURCE_TP_RANK: self.tp_rank,
             }
         )
+        detected = get_aggregated_resources([host_detector.load()(), OTELResourceDetector()], base)
+        if self.instance_id is not None and schema.RESOURCE_INSTANCE not in detected.attributes:
+            return detected.merge(Resource({schema.RESOURCE_INSTANCE: self.instance_id}))
+        if schema.RESOURCE_INSTANCE in detected.attributes:
+            return detected
+        attributes = detected.attributes
+        stable = "\x1f".join(
+            str(part)
+            for part in (
+                attributes.get(schema.RESOURCE_HOST_NAME, ""),
+                attributes.get(schema.RESOURCE_HOST_ID, ""),
+                attributes.get(schema.RESOURCE_SERVICE_NAME),
+                attributes.get(schema.RESOURCE_ENGINE),
+                attributes.get(schema.RESOURCE_MODEL),
+                self.instance_key,
+                attributes.get(schema.RESOURCE_TP_RANK),
+            )
+        )
+        return detected.merge(Resource({schema.RESOURCE_INSTANCE: str(uuid.uuid5(SERVICE_INSTANCE_NAMESPACE, stable))}))
+
+    def resource(self) -> Resource:
+        """The resource attributes of every batch (detected once)."""
+        return self._resource
+
+    @property
+    def instance(self) -> str:
+        """The ``service.instance.id`` this engine reports under (the dashboards' instance)."""
+        return str(self._resource.attributes[schema.RESOURCE_INSTANCE])
 
 
 def otlp_http_exporter(endpoint: str, *, timeout_s: float = 5.0, gzip: bool = True) -> OTLPMetricExporter:
@@ -103,6 +173,66 @@ def otlp_http_exporter(endpoint: str, *, timeout_s: float = 5.0, gzip: bool = Tr
     return OTLPMetricExporter(
         endpoint=endpoint, timeout=timeout_s, compression=Compression.Gzip if gzip else Compression.NoCompression
     )
+
+
+def export_configured(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment names a metrics endpoint (witcert's shorthand or OpenTelemetry's)."""
+    environ = os.environ if environ is None else environ
+    return any(environ.get(name, "").strip() for name in _ENDPOINT_ENVS)
+
+
+def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def otlp_exporter(endpoint: str | None = None) -> MetricExporter:
+    """The SDK's OTLP metric exporter as OpenTelemetry's environment variables configure it.
+
+    ``OTEL_EXPORTER_OTLP_[METRICS_]PROTOCOL`` picks ``http/protobuf`` (the default) or ``grpc``; the
+    SDK's exporter then reads the endpoint, headers, compression, timeout and TLS variables itself.
+    ``endpoint`` (or ``WITCERT_COLLECTOR_ENDPOINT``, its shorthand) is the metrics endpoint and wins over
+    the OpenTelemetry endpoint variables; over HTTP a URL with no path gets ``/v1/metrics``. Unless a
+    compression variable says otherwise, batches are gzip-compressed.
+    """
+    environ = os.environ
+    protocol = _first(environ, _PROTOCOL_ENVS) or "http/protobuf"
+    if protocol not in PROTOCOLS:
+        name = next(name for name in _PROTOCOL_ENVS if environ.get(name, "").strip())
+        raise TelemetryConfigError(
+            f"{name}={protocol!r}: the witcert stream exports over {' or '.join(PROTOCOLS)} "
+            "(opentelemetry-python has no http/json metric exporter)"
+        )
+    endpoint = endpoint or environ.get(COLLECTOR_ENDPOINT_ENV, "").strip() or None
+    gzip_default = _first(environ, _COMPRESSION_ENVS) is None
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
+
+        compression = GrpcCompression.Gzip if gzip_default else None
+        return GrpcExporter(endpoint=endpoint, compression=compression)
+    if endpoint is not None and urlsplit(endpoint).path in ("", "/"):
+        endpoint = endpoint.rstrip("/") + "/v1/metrics"
+    return OTLPMetricExporter(endpoint=endpoint, compression=Compression.Gzip if gzip_default else None)
+
+
+def export_interval_s(environ: Mapping[str, str] | None = None) -> float:
+    """``OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds) in seconds, or the stream's default of 10 s."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(OTEL_METRIC_EXPORT_INTERVAL, "").strip()
+    if not text:
+        return DEFAULT_FLUSH_SECONDS
+    try:
+        milliseconds = float(text)
+    except ValueError:
+        milliseconds = float("nan")
+    if not milliseconds > 0 or not math.isfinite(milliseconds):
+        raise TelemetryConfigError(
+            f"{OTEL_METRIC_EXPORT_INTERVAL}={text!r}: expected a positive number of milliseconds"
+        )
+    return milliseconds / 1000.0
 
 
 class _OnDemandReader(MetricReader):
@@ -146,6 +276,7 @@ class StreamStats:
     export_failures: int = 0
     points_exported: int = 0
     points_dropped: int = 0
+    heartbeats: int = 0  # batches holding only the tau gauge, built while no flush came
     build_cpu_seconds: float = 0.0  # background thread CPU time spent decoding and building batches
     export_cpu_seconds: float = 0.0  # background thread CPU time spent in the exporter
     build_wall_seconds: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=1024))
@@ -157,11 +288,18 @@ _STOP = object()
 class TelemetryStream:
     """Streams an aggregator's counts to ``exporter`` from a background thread; the engine never waits.
 
+    ``exporter``: any SDK ``MetricExporter``; ``None`` builds the OTLP exporter OpenTelemetry's
+    environment variables describe (``otlp_exporter``).
     ``flush_steps``/``flush_seconds``: a flush starts at the first ``poll`` after either has passed
-    since the previous flush. The background thread spends roughly 15-40 us of CPU per exported point
-    (docs/TELEMETRY.md); counters cost per flush, raw samples per sampled step, hence the 10 s default.
+    since the previous flush; ``flush_seconds`` defaults to ``OTEL_METRIC_EXPORT_INTERVAL``, else 10 s.
+    The background thread spends roughly 15-40 us of CPU per exported point (docs/TELEMETRY.md);
+    counters cost per flush, raw samples per sampled step, hence the 10 s default.
     ``flush_steps`` must stay below the aggregator's ring (128 sampled steps by default) or raw samples
     are overwritten, and counted.
+    ``heartbeat_seconds`` (default: ``flush_seconds``): when no batch was built for that long (an idle
+    engine polls nothing), the thread exports the tau gauge alone, so a silent instance means a down one.
+    ``first_head``: the global index of the aggregator's head 0 (under tensor parallelism, the rank's
+    first head; default ``identity.tp_rank * aggregator.num_heads``): heads are exported by global index.
     ``max_buffered_points``: data points held while the exporter fails.
     ``export_timeout_s``: the deadline handed to each export call. ``retry_backoff_s``: first and
     largest wait between retries of a failed export.
@@ -170,24 +308,36 @@ class TelemetryStream:
     def __init__(
         self,
         aggregator: CertificateAggregator,
-        exporter: MetricExporter,
+        exporter: MetricExporter | None,
         identity: EngineIdentity,
         *,
         flush_steps: int = 2048,
-        flush_seconds: float = 10.0,
+        flush_seconds: float | None = None,
+        heartbeat_seconds: float | None = None,
+        first_head: int | None = None,
         max_buffered_points: int = 1_000_000,
         export_timeout_s: float = 10.0,
         retry_backoff_s: tuple[float, float] = (0.5, 30.0),
     ) -> None:
-        if flush_steps < 1 or not flush_seconds > 0:
-            raise ValueError(f"flush_steps must be >= 1 and flush_seconds > 0, got {flush_steps}, {flush_seconds}")
+        flush_seconds = export_interval_s() if flush_seconds is None else flush_seconds
+        heartbeat_seconds = flush_seconds if heartbeat_seconds is None else heartbeat_seconds
+        first_head = identity.tp_rank * aggregator.num_heads if first_head is None else first_head
+        if flush_steps < 1 or not flush_seconds > 0 or not heartbeat_seconds > 0:
+            raise ValueError(
+                "flush_steps must be >= 1, flush_seconds and heartbeat_seconds > 0, got "
+                f"{flush_steps}, {flush_seconds}, {heartbeat_seconds}"
+            )
         if max_buffered_points < 1:
             raise ValueError(f"max_buffered_points must be positive, got {max_buffered_points}")
+        if first_head < 0:
+            raise ValueError(f"first_head must be >= 0, got {first_head}")
         self.aggregator = aggregator
-        self.exporter = exporter
+        self.exporter = otlp_exporter() if exporter is None else exporter
         self.identity = identity
         self.flush_steps = flush_steps
         self.flush_seconds = flush_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.first_head = first_head
         self.max_buffered_points = max_buffered_points
         self.export_timeout_s = export_timeout_s
         self.retry_backoff_s = retry_backoff_s
@@ -211,9 +361,10 @@ class TelemetryStream:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = _OnDemandReader()
         cells = aggregator.num_layers * aggregator.num_heads
+        self._resource = identity.resource()
         self._provider = MeterProvider(
             metric_readers=[self._reader],
-            resource=identity.resource(),
+            resource=self._resource,
             shutdown_on_exit=False,
             # One series per (layer, head); the default limit (2000) would fold larger models into overflow.
             views=[View(instrument_name="witcert.*", aggregation_cardinality_limit=cells + 16)],
@@ -227,14 +378,9 @@ class TelemetryStream:
         self._dropped_counter = meter.create_counter(
             schema.DROPPED_POINTS, unit="{point}", description="Telemetry points dropped before export"
         )
-        self._tau_gauge = meter.create_gauge(schema.TAU, unit="1", description="Gating threshold tau in force")
-        self._lag_gauge = meter.create_gauge(
-            schema.EXPORT_LAG, unit="s", description="Seconds from the device snapshot to building its batch"
-        )
         self._scope = InstrumentationScope(schema.INSTRUMENTATION_SCOPE, __version__)
-        self._resource = identity.resource()
         self._attributes = [
-            [{schema.ATTR_LAYER: layer, schema.ATTR_HEAD: head} for head in range(aggregator.num_heads)]
+            [{schema.ATTR_LAYER: layer, schema.ATTR_HEAD: first_head + head} for head in range(aggregator.num_heads)]
             for layer in range(aggregator.num_layers)
         ]
         empty = decode_state(
@@ -242,6 +388,7 @@ class TelemetryStream:
         )
         self._previous: AggregatorSnapshot = empty
         self._previous_ns = time.time_ns()
+        self._last_batch = time.monotonic()
         self._raw_cursor = 0
         self._dropped_unreported = 0
         self._buffer: collections.deque[_Batch] = collections.deque()
@@ -318,9 +465,10 @@ class TelemetryStream:
     def _run(self) -> None:
         stopping = False
         while True:
-            wait = max(0.0, self._next_attempt - time.monotonic()) if self._buffer else None
+            heartbeat_due = self._last_batch + self.heartbeat_seconds
+            wake = min(self._next_attempt, heartbeat_due) if self._buffer else heartbeat_due
             try:
-                item = self._inbox.get(timeout=wait)
+                item = self._inbox.get(timeout=max(0.0, wake - time.monotonic()))
             except queue.Empty:
                 item = None
             if item is _STOP:
@@ -334,7 +482,23 @@ class TelemetryStream:
                 self._export_buffered(ignore_backoff=True)
                 self._shutdown_sdk()
                 return
+            if time.monotonic() >= self._last_batch + self.heartbeat_seconds:
+                self._heartbeat()
             self._export_buffered(ignore_backoff=False)
+
+    def _heartbeat(self) -> None:
+        """A batch with the tau gauge alone: the instance is up though it decodes nothing."""
+        self._enqueue(self._batch([self._tau_metric(time.time_ns())], 0))
+        self.stats.heartbeats += 1
+
+    def _tau_metric(self, wall_ns: int) -> Metric:
+        # Gauges are built by hand, like the raw samples: one point per batch, never a stale value repeated.
+        point = NumberDataPoint({}, self._previous_ns, wall_ns, float(self.aggregator.tau))
+        return Metric(schema.TAU, "Gating threshold tau in force", "1", Gauge([point]))
+
+    def _lag_metric(self, lag_s: float, wall_ns: int) -> Metric:
+        point = NumberDataPoint({}, self._previous_ns, wall_ns, lag_s)
+        return Metric(schema.EXPORT_LAG, "Seconds from the device snapshot to building its batch", "s", Gauge([point]))
 
     def _build_safely(self, source: int | np.ndarray, wall_ns: int) -> None:
         cpu_start, wall_start = time.thread_time(), time.perf_counter()
@@ -371,15 +535,16 @@ class TelemetryStream:
         if dropped_reported:
             self._dropped_counter.add(dropped_reported)
             self._dropped_unreported = 0
-        self._tau_gauge.set(self.aggregator.tau)
-        self._lag_gauge.set((time.time_ns() - wall_ns) / 1e9)
         metrics = self._reader.take()
+        metrics.append(self._tau_metric(wall_ns))
+        metrics.append(self._lag_metric((time.time_ns() - wall_ns) / 1e9, wall_ns))
         metrics.append(self._histogram_metric(snapshot, previous, wall_ns))
         metrics.append(self._raw_sample_metric(snapshot, wall_ns))
         self._previous, self._previous_ns = snapshot, wall_ns
         return self._batch(metrics, dropped_reported)
 
     def _batch(self, metrics: list[Metric], dropped_reported: int) -> _Batch:
+        self._last_batch = time.monotonic()
         data = MetricsData([ResourceMetrics(self._resource, [ScopeMetrics(self._scope, metrics, "")], "")])
         points = sum(len(metric.data.data_points) for metric in metrics)
         self.stats.batches_built += 1
@@ -424,9 +589,10 @@ class TelemetryStream:
         keep = ~np.isnan(snapshot.raw_value)
         start_ns = self._previous_ns
         # Plain Python numbers (tolist): numpy scalars would cost a conversion per attribute.
+        first_head = self.first_head
         points = [
             NumberDataPoint(
-                attributes={schema.ATTR_LAYER: layer, schema.ATTR_HEAD: head, schema.ATTR_STEP: step},
+                attributes={schema.ATTR_LAYER: layer, schema.ATTR_HEAD: first_head + head, schema.ATTR_STEP: step},
                 start_time_unix_nano=start_ns,
                 time_unix_nano=wall_ns,
                 value=value,

@@ -41,7 +41,10 @@ ATTR_STEP = "step"
 
 # Resource attributes set by the engine side.
 RESOURCE_SERVICE_NAME = "service.name"
+RESOURCE_SERVICE_VERSION = "service.version"
 RESOURCE_INSTANCE = "service.instance.id"
+RESOURCE_HOST_NAME = "host.name"
+RESOURCE_HOST_ID = "host.id"
 RESOURCE_MODEL = "witcert.model"
 RESOURCE_ENGINE = "witcert.engine"
 RESOURCE_TP_RANK = "witcert.tp_rank"
