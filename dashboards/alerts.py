@@ -25,6 +25,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import alerting as alerting_models
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 
+from witcert.collector import tables
 from witcert.integrations.telemetry import schema as names
 
 from .datasource import DATASOURCE_UID, ClickHouseQuery, ClickHouseQueryBuilder, QueryFormat
@@ -86,7 +87,7 @@ def _spike_sql(event: str, floor: float, factor: float) -> str:
         f"  (sumIf({event}, Bucket >= $__toTime - 300) / nullIf(sumIf(Certificates, Bucket >= $__toTime - 300), 0))\n"
         f"  / greatest({floor}, {factor} * ifNull(sumIf({event}, Bucket < $__toTime - 300)"
         " / nullIf(sumIf(Certificates, Bucket < $__toTime - 300), 0), 0)) AS spike_ratio\n"
-        "FROM witcert_counts_1m\n"
+        f"FROM {tables.COUNTS_1M}\n"
         "WHERE $__timeFilter(Bucket)\n"
         "GROUP BY model, instance\n"
         "HAVING sumIf(Certificates, Bucket >= $__toTime - 300) > 0\n"
@@ -134,7 +135,7 @@ def alert_specs(
             "for {{ $labels.model }} on {{ $labels.instance }}: {{ $values.A.Value }}",
             sql=(
                 "SELECT Model AS model, Instance AS instance, sum(Covered) / sum(Certificates) AS coverage\n"
-                "FROM witcert_counts_1m\n"
+                f"FROM {tables.COUNTS_1M}\n"
                 "WHERE $__timeFilter(Bucket)\n"
                 "GROUP BY model, instance\n"
                 "HAVING sum(Certificates) > 0\n"
@@ -195,7 +196,7 @@ def alert_specs(
                 f"SELECT ResourceAttributes['{names.RESOURCE_MODEL}'] AS model,\n"
                 f"  ResourceAttributes['{names.RESOURCE_INSTANCE}'] AS instance,\n"
                 "  dateDiff('second', max(TimeUnix), $__toTime) AS silent_s\n"
-                "FROM otel_metrics_gauge\n"
+                f"FROM {tables.GAUGE}\n"
                 f"WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n"
                 "GROUP BY model, instance\n"
                 "ORDER BY model, instance"

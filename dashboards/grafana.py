@@ -22,17 +22,6 @@ FOLDER_TITLE = "witcert"
 
 
 def _variable(spec: VariableSpec, datasource_uid: str) -> Any:
-    if spec.query is not None and not spec.multi:
-        # Options in the query's order (the engines' tau first); Grafana starts at the first one.
-        return (
-            dashboard_builders.QueryVariable(spec.name)
-            .label(spec.label)
-            .description(spec.description)
-            .datasource(datasource_ref(datasource_uid))
-            .query(spec.query)
-            .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .sort(models.VariableSort.DISABLED)
-        )
     if spec.query is None:
         return (
             dashboard_builders.CustomVariable(spec.name)
@@ -41,15 +30,20 @@ def _variable(spec: VariableSpec, datasource_uid: str) -> Any:
             .values(",".join(spec.choices))
             .current(models.VariableOption(selected=True, text=spec.default, value=spec.default))
         )
-    return (
+    variable = (
         dashboard_builders.QueryVariable(spec.name)
         .label(spec.label)
         .description(spec.description)
         .datasource(datasource_ref(datasource_uid))
         .query(spec.query)
-        .multi(spec.multi)
-        .include_all(spec.multi)
         .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED)
+    )
+    if not spec.multi:
+        # Options in the query's order (the engines' tau first); Grafana starts at the first one.
+        return variable.sort(models.VariableSort.DISABLED)
+    return (
+        variable.multi(True)
+        .include_all(True)
         .sort(models.VariableSort.ALPHABETICAL_ASC)
         .current(models.VariableOption(selected=True, text=["All"], value=["$__all"]))
     )

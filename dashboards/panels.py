@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from witcert.collector import tables
 from witcert.integrations.telemetry import schema as names
 
 # Ranges up to this many seconds read the 1-minute rollup; longer ones the 1-hour rollup.
@@ -110,19 +111,23 @@ _BUCKET_SECONDS = "greatest($__interval_s, if(" + _IS_SHORT_RANGE + ", 60, 3600)
 _REAL_HEAD = f"Layer != {NO_LAYER_OR_HEAD} AND Head != {NO_LAYER_OR_HEAD}"
 
 
+_ROLLUPS = {"counts": (tables.COUNTS_1M, tables.COUNTS_1H), "buckets": (tables.BUCKETS_1M, tables.BUCKETS_1H)}
+
+
 def rollup(family: Literal["counts", "buckets"], columns: str) -> str:
     """A subquery over the right rollup for the range: ``t`` (time bucket) plus ``columns``, filtered.
 
     The time bucket is Grafana's interval, but never finer than the rollup's own resolution.
     """
+    minute, hour = _ROLLUPS[family]
     return (
         "(\n"
         f"  SELECT toStartOfInterval(Bucket, INTERVAL greatest($__interval_s, 60) second) AS t, {columns}\n"
-        f"  FROM witcert_{family}_1m\n"
+        f"  FROM {minute}\n"
         f"  WHERE $__timeFilter(Bucket) AND {_IS_SHORT_RANGE} AND {_SELECTION}\n"
         "  UNION ALL\n"
         f"  SELECT toStartOfInterval(Bucket, INTERVAL greatest($__interval_s, 3600) second) AS t, {columns}\n"
-        f"  FROM witcert_{family}_1h\n"
+        f"  FROM {hour}\n"
         "  WHERE Bucket >= toStartOfHour($__fromTime) AND Bucket <= $__toTime\n"
         f"    AND NOT ({_IS_SHORT_RANGE}) AND {_SELECTION}\n"
         ")"
@@ -134,7 +139,7 @@ def samples(columns: str) -> str:
     return (
         "(\n"
         f"  SELECT toStartOfInterval(Timestamp, INTERVAL greatest($__interval_s, 60) second) AS t, {columns}\n"
-        "  FROM witcert_certificate_samples\n"
+        f"  FROM {tables.CERTIFICATE_SAMPLES}\n"
         f"  WHERE $__timeFilter(Timestamp) AND {_SELECTION}\n"
         ")"
     )
@@ -194,7 +199,7 @@ _CEILING_BOUND = f"arrayFirst(bound -> bound >= {_TAU}, {_bucket_bounds_sql()})"
 # engine's exact count answers, and the interval collapses onto it.
 _ENGINE_TAU_IS_TAU = (
     f"(\n  SELECT count() > 0 AND countIf(Value != {_TAU}) = 0 AS exact\n"
-    "  FROM otel_metrics_gauge\n"
+    f"  FROM {tables.GAUGE}\n"
     f"  WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n  AND {_RAW_SELECTION}\n)"
 )
 
@@ -296,7 +301,7 @@ VARIABLES: tuple[VariableSpec, ...] = (
         name="model",
         label="Model",
         description="Models that reported certificates in the time range",
-        query="SELECT DISTINCT Model FROM witcert_counts_1h "
+        query=f"SELECT DISTINCT Model FROM {tables.COUNTS_1H} "
         "WHERE Bucket >= toStartOfHour($__fromTime) AND Bucket <= $__toTime ORDER BY Model",
         multi=True,
     ),
@@ -304,7 +309,7 @@ VARIABLES: tuple[VariableSpec, ...] = (
         name="instance",
         label="Instance",
         description="Engine instances (service.instance.id) of the selected models",
-        query="SELECT DISTINCT Instance FROM witcert_counts_1h "
+        query=f"SELECT DISTINCT Instance FROM {tables.COUNTS_1H} "
         "WHERE Bucket >= toStartOfHour($__fromTime) AND Bucket <= $__toTime AND Model IN (${model:singlequote}) "
         "ORDER BY Instance",
         multi=True,
@@ -316,7 +321,7 @@ VARIABLES: tuple[VariableSpec, ...] = (
         "values, for which coverage is an interval read from the sampled histogram",
         query=(
             "SELECT tau FROM (\n"
-            f"  SELECT toString(Value) AS tau, 0 AS fixed FROM otel_metrics_gauge\n"
+            f"  SELECT toString(Value) AS tau, 0 AS fixed FROM {tables.GAUGE}\n"
             f"  WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n  AND {_RAW_SELECTION}\n"
             "  UNION ALL\n"
             f"  SELECT arrayJoin([{', '.join(repr(tau) for tau in _FIXED_TAUS)}]) AS tau, 1 AS fixed\n"
@@ -344,7 +349,7 @@ PANELS: tuple[PanelSpec, ...] = (
         PanelQuery(
             "A",
             f"SELECT min(Value) AS {AT_LEAST}, max(Value) AS {AT_MOST}, toUInt8(1) AS {EXACT}\n"
-            "FROM otel_metrics_gauge\n"
+            f"FROM {tables.GAUGE}\n"
             f"WHERE MetricName = '{names.TAU}' AND $__timeFilter(TimeUnix)\n  AND {_RAW_SELECTION}\n"
             "HAVING count() > 0",
             (AT_LEAST, AT_MOST, EXACT),
@@ -557,7 +562,7 @@ PANELS: tuple[PanelSpec, ...] = (
                 "A",
                 f"SELECT $__timeInterval(TimeUnix) AS {TIME}, "
                 f"ResourceAttributes['{names.RESOURCE_INSTANCE}'] AS instance, max(Value) AS export_lag_s\n"
-                "FROM otel_metrics_gauge\n"
+                f"FROM {tables.GAUGE}\n"
                 f"WHERE MetricName = '{names.EXPORT_LAG}' AND $__timeFilter(TimeUnix)\n"
                 f"  AND {_RAW_SELECTION}\n"
                 f"GROUP BY {TIME}, instance\n"
