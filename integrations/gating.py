@@ -1,5 +1,11 @@
-"""Gating policy, the certified decode path that repairs heads from exact K/V, and the merge of the
-fused kernel's result with the exact part over repaired tokens (THEORY.md section 6).
+"""Gating policy and the certified decode step of every engine (THEORY.md section 6).
+
+``CertifiedDecode`` is one layer's decode step as both engine integrations run it: the fused kernel
+(``witcert.kernels.decode_attention``) with its certificate, in gate mode merged with the exact part over the
+(slot, KV head) pairs repaired at earlier steps, every row with a head still above ``tau`` recomputed on the
+repair path, and the step's certificates handed to the telemetry's ``StepReport``. An engine supplies its
+batch's paging (``DecodePaging``) and where exact K/V come from (``ExactFetch``, its host backup); the rest is
+written here once.
 
 A head whose certificate exceeds ``tau`` is repaired: the bound decomposes over tokens
 (``A1 = sum_t p~_t expm1(u_t)``), exact tokens have ``u_t = 0``, so paging in a block of exact K/V
@@ -12,12 +18,12 @@ slot at most once.
 Later steps read those pairs exactly without the per-row path: the fused kernel skips them, the exact
 part over them is computed for the whole batch at once (``exact_attention``), and ``merge_exact``
 combines the two softmax parts and their certificate accumulators. The repair path is plain torch: it runs on
-the rows whose merged certificate exceeds tau, once per layer in the transformers cache, once per group
-of rows of equal length in the SGLang backend.
+the rows whose merged certificate exceeds tau, once per group of rows of equal length.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +33,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from witcert.kernels import KVPool, reference
+from witcert.integrations.telemetry.step_report import StepReport
+from witcert.kernels import KVPool, decode_attention, reference
+
+_log = logging.getLogger("witcert.integrations")
 
 
 class GateMode(StrEnum):
@@ -441,3 +450,214 @@ def merge_exact(
     ).certificate
     certificate = torch.where(e_live, torch.where(q_live, merged, zero), certificate_q)
     return MergedDecode(out=out, lse=lse, certificate=certificate)
+
+
+ExactFetch = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``fetch(layer, slots, kv_heads) -> (k, v)``: the exact rows ``[n, D]`` of the (slot, KV head) pairs
+``(slots[i], kv_heads[i])`` of the pool's ``layer``, on the pool's device, from the engine's host backup."""
+
+
+@dataclass
+class DecodePaging:
+    """One decode batch's paging, shared by the layers of its step: row ``b`` reads the slots
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+
+    Gate mode also needs ``indptr`` on the host (rows of equal length are repaired together) and, to pair the
+    repaired pairs with the rows that read them, ``kv_indices`` sorted (``sorted_slots``, with each entry's row in
+    ``sorted_rows``) and the most rows any slot is read by (``multiplicity``: more than 1 for a prefix shared
+    through a radix cache).
+    """
+
+    kv_indptr: torch.Tensor  # [B + 1]
+    kv_indices: torch.Tensor  # [T]
+    indptr: list[int] | None = None
+    sorted_slots: torch.Tensor | None = None  # [T]
+    sorted_rows: torch.Tensor | None = None  # [T]
+    multiplicity: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        *,
+        gate: bool,
+        host: tuple[list[int], int] | None = None,
+    ) -> DecodePaging:
+        """The paging of a batch; with ``gate``, its host part too: ``host`` (``indptr`` and the multiplicity) where
+        the engine knows them, else read from the device in one host sync."""
+        if not gate:
+            return cls(kv_indptr, kv_indices)
+        total = kv_indices.numel()
+        batch = kv_indptr.numel() - 1
+        device = kv_indices.device
+        rows = torch.repeat_interleave(torch.arange(batch, device=device), kv_indptr.diff(), output_size=total)
+        sorted_slots, order = kv_indices.sort(stable=True)
+        if host is None:
+            runs = torch.searchsorted(sorted_slots, sorted_slots, right=True)
+            runs -= torch.searchsorted(sorted_slots, sorted_slots)  # how many entries hold each entry's slot
+            most = torch.cat((runs, runs.new_zeros(1))).max()  # 0 for an empty batch
+            *indptr, multiplicity = torch.cat((kv_indptr, most[None])).tolist()
+        else:
+            indptr, multiplicity = host
+        return cls(kv_indptr, kv_indices, list(indptr), sorted_slots, rows[order], int(multiplicity))
+
+    def row_slots(self, rows: torch.Tensor, length: int) -> torch.Tensor:
+        """``[R, length]``: the slots of batch rows ``rows``, all ``length`` tokens long."""
+        return self.kv_indices[self.kv_indptr[rows][:, None] + torch.arange(length, device=self.kv_indices.device)]
+
+    def equal_length_rows(self, rows: list[int]) -> dict[int, list[int]]:
+        """``rows`` grouped by their length (needs ``indptr``)."""
+        groups: dict[int, list[int]] = {}
+        for row in rows:
+            groups.setdefault(self.indptr[row + 1] - self.indptr[row], []).append(row)
+        return groups
+
+
+@dataclass
+class CertifiedStep:
+    """One layer's decode step: ``out`` ``[B, H_q, D]`` float32; with a certificate (observe and gate modes) its
+    ``certificate`` ``[B, H_q]``; in gate mode ``fallback`` (bool: the head was above tau at the start of a repair
+    round) and ``repaired_bytes`` (int64: bytes paged in on its behalf) ``[B, H_q]``, else None."""
+
+    out: torch.Tensor
+    certificate: torch.Tensor | None
+    fallback: torch.Tensor | None
+    repaired_bytes: torch.Tensor | None
+
+
+class CertifiedDecode:
+    """The certified decode step of one engine's pool, the same for every engine.
+
+    ``pool``'s layer ``l`` keeps its repaired (slot, KV head) pairs in ``skip[l]`` (bool ``[num_slots, H_kv]``,
+    the kernel's skip mask) and their exact rows in ``stores[l]``; new pairs come from ``fetch``. Gate mode needs
+    all three. ``report`` (optional) gets every layer's certificates, fallbacks and repaired bytes; ``on_step``
+    (optional) is called before it with ``(layer, query, step, sm_scale)``, the engine's own accounting and checks:
+    if it raises, that layer stays out of the report.
+
+    A call (``__call__``): the fused kernel over the batch, skipping the pairs held; in gate mode the exact part
+    over them, computed for the whole batch at once (each pair goes to every row that reads its slot) and merged
+    with the kernel's part, certificate included. A row whose merged certificate is within tau keeps that output,
+    which the certificate covers; the others are recomputed on the repair path, rows of equal length together
+    (``repair_pool_rows``), and their new pairs join ``skip`` and the store. Gate mode syncs with the host once
+    per layer (which rows exceed tau); observe and off modes never.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        policy: CachePolicy,
+        delta_step: float,
+        *,
+        skip: Sequence[torch.Tensor] | None = None,
+        stores: Sequence[RepairedStore] | None = None,
+        fetch: ExactFetch | None = None,
+        report: StepReport | None = None,
+        on_step: Callable[[int, torch.Tensor, CertifiedStep, float], None] | None = None,
+    ) -> None:
+        if policy.mode is GateMode.GATE and (skip is None or stores is None or fetch is None):
+            raise ValueError("gate mode needs the repaired pairs' masks, their stores and a fetch of exact K/V")
+        self.pool, self.policy, self.delta_step = pool, policy, delta_step
+        self.skip, self.stores, self.fetch, self.report, self.on_step = skip, stores, fetch, report, on_step
+
+    def __call__(self, layer: int, query: torch.Tensor, paging: DecodePaging, sm_scale: float) -> CertifiedStep:
+        """Layer ``layer``'s attention of ``query`` ``[B, H_q, D]`` (the pool's dtype) over ``paging``."""
+        mode = self.policy.mode
+        gate = mode is GateMode.GATE
+        result = decode_attention(
+            query,
+            self.pool,
+            layer,
+            paging.kv_indptr,
+            paging.kv_indices,
+            sm_scale=sm_scale,
+            delta_step=self.delta_step,
+            certificate=mode is not GateMode.OFF,
+            skip=self.skip[layer] if gate else None,
+        )
+        step = CertifiedStep(result.out, result.certificate, None, None)
+        if mode is GateMode.OFF:
+            return step
+        if gate:
+            step.fallback = torch.zeros(step.certificate.shape, dtype=torch.bool, device=query.device)
+            step.repaired_bytes = torch.zeros(step.certificate.shape, dtype=torch.int64, device=query.device)
+            exact = self._exact_part(layer, query, paging, sm_scale)
+            if exact is not None:
+                merged = merge_exact(step.out, result.lse, result.accumulators, step.certificate, exact)
+                step.out, step.certificate = merged.out, merged.certificate
+            self._repair(layer, query, paging, sm_scale, step)
+        if self.on_step is not None:
+            self.on_step(layer, query, step, sm_scale)
+        if self.report is not None:
+            self.report.record(layer, step.certificate, step.fallback, step.repaired_bytes)
+        return step
+
+    def _exact_part(self, layer: int, query: torch.Tensor, paging: DecodePaging, sm_scale: float) -> ExactPart | None:
+        """Attention of the batch over its repaired pairs, from the layer's store: every entry is paired with each
+        row that reads its slot (``multiplicity`` copies, the unused ones and the dead entries sent to an extra row
+        that is then dropped). No host sync, no Python loop over rows; ``None`` when the store is empty."""
+        store = self.stores[layer]
+        copies = paging.multiplicity
+        if len(store) == 0 or copies == 0:
+            return None
+        batch = query.shape[0]
+        device = query.device
+        sorted_slots = paging.sorted_slots
+        first = torch.searchsorted(sorted_slots, store.slot)[:, None] + torch.arange(copies, device=device)
+        at = first.clamp_max(sorted_slots.numel() - 1)  # [n, copies]
+        hit = (first < sorted_slots.numel()) & (sorted_slots[at] == store.slot[:, None])
+        hit &= store.live(self.skip[layer])[:, None]
+        row = torch.where(hit, paging.sorted_rows[at], batch).reshape(-1)
+        keys, values, kv_head = store.keys, store.values, store.kv_head
+        if copies > 1:
+            entry = torch.arange(len(store), device=device).repeat_interleave(copies)
+            keys, values, kv_head = keys[entry], values[entry], kv_head[entry]
+        exact = exact_attention(
+            torch.cat((query, query.new_zeros(1, *query.shape[1:]))),
+            keys,
+            values,
+            row,
+            kv_head,
+            num_kv_heads=self.pool.kv_heads,
+            sm_scale=sm_scale,
+        )
+        return ExactPart(out=exact.out[:batch], lse=exact.lse[:batch])
+
+    def _repair(
+        self, layer: int, query: torch.Tensor, paging: DecodePaging, sm_scale: float, step: CertifiedStep
+    ) -> None:
+        """Recompute, in ``step``, every row with a head above tau from exact K/V paged in by blocks."""
+        certificate = step.certificate
+        # The one host sync of the layer: a flag per row (a nonzero() would add a sync of its own).
+        over_rows = [row for row, over in enumerate((~(certificate <= self.policy.tau)).any(-1).tolist()) if over]
+        if not over_rows:
+            return
+        if bool(certificate[over_rows].isnan().any()):
+            # The repair path recomputes these rows in torch, so the report never sees this NaN.
+            _log.error("decode returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows)
+        for length, rows in paging.equal_length_rows(over_rows).items():
+            index = torch.tensor(rows, device=certificate.device)
+            slots = paging.row_slots(index, length)  # [R, S]
+
+            def fetch(
+                cells: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor, slots: torch.Tensor = slots
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.fetch(layer, slots[cells, positions], kv_heads)
+
+            decoded = repair_pool_rows(
+                query[index],
+                self.pool,
+                layer,
+                slots,
+                self.stores[layer],
+                self.skip[layer],
+                fetch,
+                sm_scale=sm_scale,
+                delta=self.delta_step,
+                tau=self.policy.tau,
+                block_size=self.policy.repair_block,
+            )
+            step.out[index] = decoded.out.to(step.out.dtype)
+            certificate[index] = decoded.certificate
+            step.fallback[index] = decoded.fallback
+            step.repaired_bytes[index] = decoded.repaired_bytes

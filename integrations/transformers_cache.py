@@ -8,14 +8,15 @@ Use::
     model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
 Prefill attends on the exact K/V it has just written (no certificate: there is no quantized read).
-Each decode step (one new token) attends over the pool with the real post-RoPE query through the fused
-``witcert.kernels.decode_attention`` (Triton on GPU, its torch reference on CPU), so the certificate
-describes exactly the attention the model used. In gate mode the kernel skips the (slot, KV head)
-pairs repaired earlier, whose exact part is merged in, and every head still above tau is repaired from
-the exact host backup (``witcert.integrations.gating``) as soon as its layer has run. Each layer's
-certificates ``[B, H_q]`` (with fallbacks and repaired bytes in gate mode) are copied into a per-step
-buffer ``[L, B, H_q]``, and the observer gets the whole step in one ``observe_layers`` call when the
-last layer has run: one aggregator launch per step instead of one per layer.
+Each decode step (one new token) attends over the pool with the real post-RoPE query through
+``gating.CertifiedDecode`` (the fused ``witcert.kernels.decode_attention``, Triton on GPU, its torch reference
+on CPU), so the certificate describes exactly the attention the model used. In gate mode the kernel skips the
+(slot, KV head) pairs repaired earlier, whose exact part is merged in, and every head still above tau is
+repaired from the exact host backup as soon as its layer has run. This module is the paging glue: sequence
+``b`` owns the slots ``[b * max_cache_len, (b + 1) * max_cache_len)``, and the backup is a pinned host copy
+of every written K/V. Each layer's certificates ``[B, H_q]`` (with fallbacks and repaired bytes in gate mode)
+are copied into a per-step buffer ``[L, B, H_q]``, and the observer gets the whole step in one
+``observe_layers`` call when the last layer has run: one aggregator launch per step instead of one per layer.
 
 How the attention function finds the cache: ``update`` returns the new K/V tensors and remembers
 them; ``witcert_attention`` treats a call whose key tensor *is* the one the active cache just
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import logging
 from typing import Any, Protocol
 
 import torch
@@ -38,18 +38,16 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from witcert.integrations.gating import (
     CachePolicy,
+    CertifiedDecode,
+    CertifiedStep,
+    DecodePaging,
     GateMode,
     RepairedStore,
-    RowsDecode,
-    exact_attention,
-    merge_exact,
-    repair_pool_rows,
 )
 from witcert.integrations.telemetry.step_report import CertificateObserver, StepReport
-from witcert.kernels import KVPool, decode_attention, reference
+from witcert.kernels import KVPool, reference
 
 ATTENTION_NAME = "witcert"
-_log = logging.getLogger("witcert.integrations")
 
 
 class DecodeAudit(Protocol):
@@ -147,10 +145,11 @@ class WitcertCache(Cache):
         self.skip: list[torch.Tensor] = []
         self.repaired: list[RepairedStore] = []
         self._returned: tuple[int, torch.Tensor] | None = None
-        # Every layer of a decode step reads the same slots: build the page table once per (batch, length).
-        self._page_table: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
+        # Every layer of a decode step reads the same slots: build the paging once per (batch, length).
+        self._paging: tuple[tuple[int, int], DecodePaging] | None = None
         # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on).
         self._report: StepReport | None = None
+        self._decode: CertifiedDecode | None = None
 
     # --- storage ---------------------------------------------------------------------------------
 
@@ -215,6 +214,16 @@ class WitcertCache(Cache):
                 device=self.device,
                 owner="WitcertCache",
             )
+        self._decode = CertifiedDecode(
+            self.pool,
+            self.policy,
+            self.delta,
+            skip=self.skip,
+            stores=self.repaired,
+            fetch=self._fetch_exact,
+            report=self._report,
+            on_step=self._account,
+        )
 
     def slots(self, batch_index: int, length: int) -> torch.Tensor:
         """Pool slots of one sequence's first ``length`` positions (sequence ``b`` owns a contiguous range)."""
@@ -295,124 +304,60 @@ class WitcertCache(Cache):
     def claims(self, layer: int, key: torch.Tensor) -> bool:
         return self._returned is not None and self._returned[0] == layer and self._returned[1] is key
 
-    def _page_table_for(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv_indptr``, ``kv_indices`` of the pool for ``batch`` sequences of ``length`` tokens each."""
-        if self._page_table is None or self._page_table[0] != (batch, length):
+    def _paging_for(self, batch: int, length: int) -> DecodePaging:
+        """The pool's paging for ``batch`` sequences of ``length`` tokens each (sequence ``b`` from slot
+        ``b * max_cache_len``); no slot is read by two sequences, so gate mode needs no host sync for it."""
+        if self._paging is None or self._paging[0] != (batch, length):
             kv_indices = (
                 torch.arange(batch, device=self.device)[:, None] * self.max_cache_len
                 + torch.arange(length, device=self.device)
             ).reshape(-1)
             kv_indptr = torch.arange(batch + 1, device=self.device) * length
-            self._page_table = ((batch, length), kv_indptr, kv_indices)
-        return self._page_table[1], self._page_table[2]
+            host = ([b * length for b in range(batch + 1)], 1 if length else 0)
+            paging = DecodePaging.build(kv_indptr, kv_indices, gate=self.policy.mode is GateMode.GATE, host=host)
+            self._paging = ((batch, length), paging)
+        return self._paging[1]
 
     def decode(self, layer: int, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """Attention of one new token per sequence over the pool: ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``.
 
-        The fused kernel reads every row. In gate mode it skips the (slot, KV head) pairs repaired at
-        earlier steps; the exact part over those pairs is computed for the whole batch in torch and
-        merged with the kernel's part, certificate included (``gating.merge_exact``). Rows where some
-        head's merged certificate exceeds tau are recomputed on the repair path, all
-        together (``gating.certified_decode_rows``: more blocks paged in until every head is within tau);
-        their new pairs join the skip mask, so later steps read them through the kernel and the merge.
-        Gate mode syncs with the host once per layer (to find those rows); observe and off modes never.
+        ``gating.CertifiedDecode``: the fused kernel reads every row; in gate mode it skips the (slot, KV head)
+        pairs repaired at earlier steps, whose exact part is merged in, and rows where some head's merged
+        certificate exceeds tau are recomputed on the repair path, all together (more blocks paged in until every
+        head is within tau); their new pairs join the skip mask, so later steps read them through the kernel and
+        the merge. Gate mode syncs with the host once per layer (to find those rows); observe and off modes never.
         """
         self._returned = None
-        batch, num_q_heads, _ = query.shape
-        length = self.layers[layer].length
-        mode = self.policy.mode
+        batch, _, _ = query.shape
         q = query.to(self.cache_dtype).contiguous()
-        kv_indptr, kv_indices = self._page_table_for(batch, length)
-        gate = mode is GateMode.GATE
-        store = self.repaired[layer]
-        result = decode_attention(
-            q,
-            self.pool,
-            layer,
-            kv_indptr,
-            kv_indices,
-            sm_scale=sm_scale,
-            delta_step=self.delta,
-            certificate=mode is not GateMode.OFF,
-            skip=self.skip[layer] if gate else None,
-        )
-        out, certificate = result.out, result.certificate
         if layer == 0:
             self.decode_steps += 1
-        if mode is GateMode.OFF:
-            return out
-        fallback = repaired = None
-        if gate:
-            if len(store):
-                exact = exact_attention(
-                    q,
-                    store.keys,
-                    store.values,
-                    store.slot // self.max_cache_len,  # batch row b owns slots [b * max_cache_len, ...)
-                    store.kv_head,
-                    num_kv_heads=self.kv_heads,
-                    sm_scale=sm_scale,
-                )
-                merged = merge_exact(out, result.lse, result.accumulators, certificate, exact)
-                out, certificate = merged.out, merged.certificate
-            # The one host sync of the layer: a flag per row (a nonzero() would add a sync of its own).
-            over_rows = [b for b, over in enumerate((~(certificate <= self.policy.tau)).any(-1).tolist()) if over]
-            if over_rows:
-                if bool(certificate[over_rows].isnan().any()):
-                    # The repair path recomputes these rows in torch, so the aggregator never sees this NaN.
-                    _log.error("decode returned a NaN certificate at layer %d (rows %s): recomputed", layer, over_rows)
-                fallback = torch.zeros(batch, num_q_heads, dtype=torch.bool, device=self.device)
-                repaired = torch.zeros(batch, num_q_heads, dtype=torch.int64, device=self.device)
-                rows = torch.tensor(over_rows, device=self.device)
-                decoded = self._repair_rows(layer, kv_indices.view(batch, length)[rows], q[rows], sm_scale)
-                out[rows] = decoded.out.to(out.dtype)
-                certificate[rows], fallback[rows], repaired[rows] = (
-                    decoded.certificate,
-                    decoded.fallback,
-                    decoded.repaired_bytes,
-                )
-                self.fallback_total += fallback.sum()
-                self.repaired_bytes_total += repaired.sum()
-        self.certificate_total += certificate.numel()
+        return self._decode(layer, q, self._paging_for(batch, self.layers[layer].length), sm_scale).out
+
+    def _account(self, layer: int, query: torch.Tensor, step: CertifiedStep, sm_scale: float) -> None:
+        """Each certified layer, before it is reported: the running totals, then the audit."""
+        if step.fallback is not None:
+            self.fallback_total += step.fallback.sum()
+            self.repaired_bytes_total += step.repaired_bytes.sum()
+        self.certificate_total += step.certificate.numel()
         if self.audit is not None:
-            self.audit(self, layer, q.float(), certificate, sm_scale)
-        if self._report is not None:
-            self._report.record(layer, certificate, fallback, repaired)
-        return out
+            self.audit(self, layer, query.float(), step.certificate, sm_scale)
 
     def flush_certificates(self) -> None:
         """Report the layers of a decode step that stopped before its last layer (``StepReport.flush``)."""
         if self._report is not None:
             self._report.flush()
 
-    def _repair_rows(self, layer: int, slots: torch.Tensor, q: torch.Tensor, sm_scale: float) -> RowsDecode:
-        """Recompute the rows reading ``slots`` ``[R, S]`` (queries ``q`` ``[R, H_q, D]``) on the repair path, all
-        at once."""
-        host_slots = slots.cpu()
-
-        def fetch(
-            rows: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
-            picked, heads = host_slots[rows.cpu(), positions.cpu()], kv_heads.cpu()
-            return (
-                self.backup["k"][layer, picked, heads].to(self.device),
-                self.backup["v"][layer, picked, heads].to(self.device),
-            )
-
-        return repair_pool_rows(
-            q,
-            self.pool,
-            layer,
-            slots,
-            self.repaired[layer],
-            self.skip[layer],
-            fetch,
-            sm_scale=sm_scale,
-            delta=self.delta,
-            tau=self.policy.tau,
-            block_size=self.policy.repair_block,
+    def _fetch_exact(
+        self, layer: int, slots: torch.Tensor, kv_heads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact K and V rows ``[n, D]`` of the pairs ``(slots[i], kv_heads[i])`` from the host backup."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
+        picked, heads = slots.cpu(), kv_heads.cpu()
+        return (
+            self.backup["k"][layer, picked, heads].to(self.device),
+            self.backup["v"][layer, picked, heads].to(self.device),
         )
 
 

@@ -14,8 +14,11 @@ from transformers import LlamaConfig
 from witcert.integrations import gating
 from witcert.integrations.gating import (
     CachePolicy,
+    CertifiedDecode,
+    DecodePaging,
     ExactPart,
     GateMode,
+    RepairedStore,
     block_shares,
     certified_decode_rows,
     exact_attention,
@@ -23,6 +26,7 @@ from witcert.integrations.gating import (
 )
 from witcert.integrations.quality import random_model
 from witcert.integrations.telemetry.aggregator import CertificateAggregator
+from witcert.integrations.telemetry.step_report import StepReport
 from witcert.integrations.transformers_cache import WitcertCache, use_witcert_attention
 from witcert.kernels import KVPool, decode_attention, reference
 
@@ -485,3 +489,70 @@ def test_rows_repaired_together_page_in_what_each_row_alone_would_in_as_many_rou
         torch.testing.assert_close(together.out[r], row.out, rtol=1e-5, atol=1e-6)
         assert torch.equal(together.fallback[r], row.fallback)
         assert torch.equal(together.repaired_bytes[r], row.repaired_bytes)
+
+
+class _Observer:
+    """Keeps every ``observe_layers`` call's certificates, fallbacks and repaired bytes."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def observe_layers(self, first_layer, certificates, fallback=None, repaired_bytes=None) -> None:
+        self.steps.append(tuple(None if x is None else x.clone() for x in (certificates, fallback, repaired_bytes)))
+
+
+def test_certified_decode_repairs_rows_of_unequal_length_sharing_a_prefix_and_reads_them_exactly_after():
+    """The engine-agnostic gated step: rows of two lengths reading a shared prefix (each slot read by both) end
+    within tau, each row's output is the attention over its mixed keys, the report gets what the step returns,
+    and the same step again pages in nothing: the repaired pairs reach both rows through the kernel's skip and
+    the merge."""
+    tau = 0.02
+    generator = torch.Generator().manual_seed(21)
+    keys = torch.randn(80, H_KV, D, generator=generator).to(torch.float16)
+    values = torch.randn(80, H_KV, D, generator=generator).to(torch.float16)
+    pool = KVPool(80, 1, H_KV, D, seed=5)
+    pool.write(0, torch.arange(80), keys, values)
+    row_slots = [torch.arange(0, 48), torch.cat((torch.arange(0, 16), torch.arange(48, 64)))]  # 48 and 32 tokens
+    kv_indices = torch.cat(row_slots)
+    kv_indptr = torch.tensor([0, 48, 80])
+    q = (4.0 * torch.randn(2, H_Q, D, generator=generator)).to(torch.float16)
+    policy = CachePolicy(mode=GateMode.GATE, tau=tau, repair_block=8)
+    skip = torch.zeros(80, H_KV, dtype=torch.bool)
+    fetched: list[int] = []
+
+    def fetch(layer, slots, kv_heads):
+        fetched.append(slots.numel())
+        return keys[slots, kv_heads], values[slots, kv_heads]
+
+    observer = _Observer()
+    report = StepReport(observer, 1, 2, H_Q, gate=True, device=torch.device("cpu"), owner="the test")
+    decode = CertifiedDecode(
+        pool, policy, DELTA, skip=[skip], stores=[RepairedStore(H_KV, D, pool.device, pool.dtype)], fetch=fetch,
+        report=report,
+    )  # fmt: skip
+    paging = DecodePaging.build(kv_indptr, kv_indices, gate=True)
+    assert paging.multiplicity == 2 and paging.indptr == [0, 48, 80]
+
+    plain = decode_attention(q, pool, 0, kv_indptr, kv_indices, sm_scale=SM_SCALE, delta_step=DELTA)
+    assert bool((plain.certificate > tau).any(-1).all())  # both rows start above tau
+    first = decode(0, q, paging, SM_SCALE)
+    assert len(fetched) >= 2  # one repair call per length at least
+    assert bool((first.certificate <= tau).all()) and bool(first.fallback.any(-1).all())
+    assert int(first.repaired_bytes.sum()) == sum(fetched) * 2 * D * 2
+    ((certificate, fallback, repaired_bytes),) = observer.steps
+    assert torch.equal(certificate[0], first.certificate) and torch.equal(fallback[0], first.fallback)
+    assert torch.equal(repaired_bytes[0], first.repaired_bytes)
+    kv_of_q = torch.arange(H_Q) // (H_Q // H_KV)
+    for row, slots in enumerate(row_slots):
+        exact = skip[slots][..., None]
+        k_mix = torch.where(exact, keys[slots].double(), pool.dequantize(0, slots, "k", torch.float64))
+        v_mix = torch.where(exact, values[slots].double(), pool.dequantize(0, slots, "v", torch.float64))
+        probs = torch.softmax(SM_SCALE * torch.einsum("hd,shd->hs", q[row].double(), k_mix[:, kv_of_q]), -1)
+        expected = torch.einsum("hs,shd->hd", probs, v_mix[:, kv_of_q])
+        torch.testing.assert_close(first.out[row].double(), expected, rtol=1e-4, atol=1e-5)
+
+    fetched.clear()
+    again = decode(0, q, paging, SM_SCALE)
+    assert fetched == [] and not bool(again.fallback.any()) and int(again.repaired_bytes.sum()) == 0
+    assert bool((again.certificate <= tau).all())
+    torch.testing.assert_close(again.out, first.out, rtol=1e-5, atol=1e-6)

@@ -1,19 +1,15 @@
 """The ``witcert`` SGLang attention backend: decode and extend over the witcert pool, certified decode steps.
 
-Decode: the new token's K/V are quantized into its slot, then the fused kernel
-(``witcert.kernels.decode_attention``) returns the output and a certificate per (sequence, head).
-In ``gate`` mode the kernel skips the (slot, KV head) pairs repaired at earlier steps (the pool's
-``repaired`` mask); their exact K/V sit on the device in the pool's per-layer ``RepairedStore``, and
-the exact part over them is computed for the whole batch at once (``gating.exact_attention``: each
-pair goes to every row that reads its slot, several for a radix-shared prefix) and merged with the
-kernel's part, certificate included (``gating.merge_exact``). A sequence whose merged certificate is
-within tau keeps that output, which the certificate covers. The others are recomputed on the repair
-path, rows of equal length together (``gating.certified_decode_rows``), with the pairs already
-repaired read from the device store and new blocks paged in from the pool's host backup; the new
-pairs join the store. A pair stays exact until SGLang rewrites its slot (``set_kv_buffer`` clears
-its mask, and the store drops the entry at its next addition). Gate mode syncs with the host once per
-decode step (the batch's paging and how often a slot repeats in it) and once per layer (which rows
-exceed tau); observe and off modes never.
+Decode: the new token's K/V are quantized into its slot, then ``gating.CertifiedDecode`` runs the step: the
+fused kernel (``witcert.kernels.decode_attention``) returns the output and a certificate per (sequence, head);
+in ``gate`` mode it skips the (slot, KV head) pairs repaired at earlier steps (the pool's ``repaired`` mask),
+whose exact K/V sit on the device in the pool's per-layer ``RepairedStore`` and are merged in, and the
+sequences still above tau are recomputed on the repair path with new blocks paged in from the pool's host
+backup. This module is the paging glue: SGLang's ``req_to_token`` table gives each batch's ``kv_indptr`` /
+``kv_indices``, a slot may be read by several rows (a radix-shared prefix), and a pair stays exact until SGLang
+rewrites its slot (``set_kv_buffer`` clears its mask, and the store drops the entry at its next addition). Gate
+mode syncs with the host once per decode step (the batch's paging and how often a slot repeats in it) and once
+per layer (which rows exceed tau); observe and off modes never.
 Each layer's certificates (with fallbacks and repaired bytes in gate mode) are copied into per-step
 buffers ``[L, B_max, H_q]``; when the last layer of the step has written, this TP rank's
 ``CertificateAggregator`` counts the whole step in one ``observe_layers`` launch (not one per layer).
@@ -37,21 +33,14 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.runtime_context import get_parallel
 
-from witcert.integrations.gating import (
-    ExactPart,
-    GateMode,
-    RowsDecode,
-    exact_attention,
-    merge_exact,
-    repair_pool_rows,
-)
+from witcert.integrations.gating import CachePolicy, CertifiedDecode, DecodePaging, GateMode
 from witcert.integrations.sglang.capacity import fp16_cell_size_bytes
 from witcert.integrations.sglang.checks import WitcertStartupError
 from witcert.integrations.sglang.pool import WitcertKVPool
 from witcert.integrations.telemetry.aggregator import CertificateAggregator
 from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, export_configured, otlp_exporter
 from witcert.integrations.telemetry.step_report import StepReport
-from witcert.kernels import ExtendBounds, decode_attention, extend_attention
+from witcert.kernels import ExtendBounds, extend_attention
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -62,27 +51,13 @@ logger = logging.getLogger("witcert.sglang")
 
 
 @dataclass
-class SlotRows:
-    """Where a decode batch reads each slot, for gate mode: ``kv_indices`` sorted, with each entry's batch row.
-
-    A slot may appear in several rows (a prefix shared through the radix cache), at most ``multiplicity``
-    times; ``indptr`` is ``kv_indptr`` on the host.
-    """
-
-    sorted_slots: torch.Tensor  # [T]
-    sorted_rows: torch.Tensor  # [T]
-    multiplicity: int
-    indptr: list[int]
-
-
-@dataclass
 class WitcertForwardMetadata:
     """Paging of one batch: sequence ``b`` reads slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     qo_indptr: torch.Tensor | None  # extend only: query rows of each sequence
-    slot_rows: SlotRows | None = None  # gate-mode decode only
+    paging: DecodePaging | None = None  # decode only
     # Extend only: qo_indptr and kv_indptr on the host, read back and checked once per batch rather than once
     # per layer (extend_attention's SDPA path slices sequences on the host).
     extend_bounds: ExtendBounds | None = None
@@ -103,20 +78,20 @@ class WitcertAttnBackend(AttentionBackend):
             raise WitcertStartupError("witcert covers multi-head / grouped-query attention, not MLA models")
         self.pool = pool
         self.settings = pool.settings
-        self.policy = pool.policy
+        policy = pool.policy
         self.device = torch.device(model_runner.device)
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         model_config = model_runner.model_config
         self.num_q_heads = model_config.get_num_attention_heads(get_parallel().attn_tp_size)
         # The union bound runs over every certificate of a request: all layers, all heads of all ranks.
-        self.delta_step = self.policy.delta_step(pool.layer_num, model_config.num_attention_heads)
+        self.delta_step = policy.delta_step(pool.layer_num, model_config.num_attention_heads)
         self.forward_metadata: WitcertForwardMetadata | None = None
         self.aggregator: CertificateAggregator | None = None
         self.stream: TelemetryStream | None = None
         self._report: StepReport | None = None
-        if self.policy.mode is not GateMode.OFF:
+        if policy.mode is not GateMode.OFF:
             self.aggregator = CertificateAggregator(
-                pool.layer_num, self.num_q_heads, tau=self.policy.tau, stride=self.policy.stride, device=self.device
+                pool.layer_num, self.num_q_heads, tau=policy.tau, stride=policy.stride, device=self.device
             )
             # Per-step report buffers [L, B_max, H_q]: a decode batch holds at most one sequence per request
             # slot (its padding row included).
@@ -125,7 +100,7 @@ class WitcertAttnBackend(AttentionBackend):
                 pool.layer_num,
                 self.req_to_token.shape[0],
                 self.num_q_heads,
-                gate=self.policy.mode is GateMode.GATE,
+                gate=policy.mode is GateMode.GATE,
                 device=self.device,
                 owner="the witcert backend",
             )
@@ -148,6 +123,15 @@ class WitcertAttnBackend(AttentionBackend):
                 )
                 # Export what was counted since the last flush when the worker exits normally.
                 atexit.register(self._close_stream)
+        self.certified = CertifiedDecode(
+            pool.witcert,
+            policy,
+            self.delta_step,
+            skip=pool.repaired,
+            stores=pool.exact_store,
+            fetch=self._fetch_exact,
+            report=self._report,
+        )
         logger.info(
             "witcert backend: mode=%s tau=%s, %d B/token (fp16 would be %d B/token)",
             self.policy.mode.value,
@@ -155,6 +139,15 @@ class WitcertAttnBackend(AttentionBackend):
             pool.bytes_per_token,
             fp16_cell_size_bytes(num_layers=pool.layer_num, num_kv_heads=pool.head_num, head_dim=pool.head_dim),
         )
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The gating policy, the certified decode's (from the pool's settings)."""
+        return self.certified.policy
+
+    @policy.setter
+    def policy(self, policy: CachePolicy) -> None:
+        self.certified.policy = policy
 
     # --- metadata ----------------------------------------------------------------------------------
 
@@ -187,24 +180,12 @@ class WitcertAttnBackend(AttentionBackend):
             torch.cumsum(forward_batch.extend_seq_lens.to(self.device, torch.int64), 0, out=qo_indptr[1:])
             offsets = torch.cat((qo_indptr, kv_indptr)).tolist()
             extend_bounds = ExtendBounds(offsets[: qo_indptr.numel()], offsets[qo_indptr.numel() :])
-        slot_rows = None
-        if mode.is_decode() and self.policy.mode is GateMode.GATE:
-            slot_rows = self._slot_rows(kv_indptr, kv_indices)
-        self.forward_metadata = WitcertForwardMetadata(kv_indptr, kv_indices, qo_indptr, slot_rows, extend_bounds)
+        paging = None
+        if mode.is_decode():
+            paging = DecodePaging.build(kv_indptr, kv_indices, gate=self.policy.mode is GateMode.GATE)
+        self.forward_metadata = WitcertForwardMetadata(kv_indptr, kv_indices, qo_indptr, paging, extend_bounds)
         if mode.is_decode() and self.stream is not None:
             self.stream.poll()
-
-    def _slot_rows(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> SlotRows:
-        """Gate mode, once per decode step: one host sync, for ``kv_indptr`` and the largest multiplicity."""
-        total = kv_indices.numel()
-        batch = kv_indptr.numel() - 1
-        rows = torch.repeat_interleave(torch.arange(batch, device=self.device), kv_indptr.diff(), output_size=total)
-        sorted_slots, order = kv_indices.sort(stable=True)
-        runs = torch.searchsorted(sorted_slots, sorted_slots, right=True)
-        runs -= torch.searchsorted(sorted_slots, sorted_slots)  # how many entries hold each entry's slot
-        most = torch.cat((runs, runs.new_zeros(1))).max()  # 0 for an empty batch
-        *indptr, multiplicity = torch.cat((kv_indptr, most[None])).tolist()
-        return SlotRows(sorted_slots, rows[order], multiplicity, indptr)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise WitcertStartupError(
@@ -248,32 +229,9 @@ class WitcertAttnBackend(AttentionBackend):
         **kwargs,
     ) -> torch.Tensor:
         query = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        meta = self.forward_metadata
         local = layer.layer_id - self.pool.start_layer
-        mode = self.policy.mode
-        gate = mode is GateMode.GATE
-        result = decode_attention(
-            query,
-            self.pool.witcert,
-            local,
-            meta.kv_indptr,
-            meta.kv_indices,
-            sm_scale=layer.scaling,
-            delta_step=self.delta_step,
-            certificate=mode is not GateMode.OFF,
-            skip=self.pool.repaired[local] if gate else None,
-        )
-        out, certificate = result.out, result.certificate
-        fallback = repaired = None
-        if gate:
-            exact = self._exact_part(local, query, layer.scaling)
-            if exact is not None:
-                merged = merge_exact(out, result.lse, result.accumulators, certificate, exact)
-                out, certificate = merged.out, merged.certificate
-            fallback, repaired = self._repair(layer, query, out, certificate)
-        if self._report is not None:
-            self._report.record(local, certificate, fallback, repaired)
-        return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+        step = self.certified(local, query, self.forward_metadata.paging, layer.scaling)
+        return step.out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def flush_certificates(self) -> None:
         """Report the layers of a decode step that stopped before its last layer (``StepReport.flush``;
@@ -287,92 +245,11 @@ class WitcertAttnBackend(AttentionBackend):
         finally:
             self.stream.close()
 
-    def _exact_part(self, local: int, query: torch.Tensor, sm_scale: float) -> ExactPart | None:
-        """Attention of the batch over its repaired (slot, KV head) pairs, from the layer's device store.
-
-        Every store entry is paired with each batch row that reads its slot (``multiplicity`` copies, the
-        unused ones and the dead entries sent to an extra row that is then dropped): no host sync, no
-        Python loop over rows. ``None`` when the store is empty.
-        """
-        store = self.pool.exact_store[local]
-        slot_rows = self.forward_metadata.slot_rows
-        copies = slot_rows.multiplicity
-        if len(store) == 0 or copies == 0:
-            return None
-        batch = query.shape[0]
-        sorted_slots = slot_rows.sorted_slots
-        first = torch.searchsorted(sorted_slots, store.slot)[:, None] + torch.arange(copies, device=self.device)
-        at = first.clamp_max(sorted_slots.numel() - 1)  # [n, copies]
-        hit = (first < sorted_slots.numel()) & (sorted_slots[at] == store.slot[:, None])
-        hit &= store.live(self.pool.repaired[local])[:, None]
-        row = torch.where(hit, slot_rows.sorted_rows[at], batch).reshape(-1)
-        keys, values, kv_head = store.keys, store.values, store.kv_head
-        if copies > 1:
-            entry = torch.arange(len(store), device=self.device).repeat_interleave(copies)
-            keys, values, kv_head = keys[entry], values[entry], kv_head[entry]
-        exact = exact_attention(
-            torch.cat((query, query.new_zeros(1, *query.shape[1:]))),
-            keys,
-            values,
-            row,
-            kv_head,
-            num_kv_heads=self.pool.head_num,
-            sm_scale=sm_scale,
-        )
-        return ExactPart(out=exact.out[:batch], lse=exact.lse[:batch])
-
-    def _repair(
-        self, layer: RadixAttention, query: torch.Tensor, out: torch.Tensor, certificate: torch.Tensor
+    def _fetch_exact(
+        self, local: int, slots: torch.Tensor, kv_heads: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recompute, in place, every sequence with a head above tau from exact K/V paged in by blocks.
-
-        One host sync (which rows are above tau); rows of equal length are recomputed together.
-        """
-        indptr = self.forward_metadata.slot_rows.indptr
-        batch, heads = certificate.shape
-        fallback = torch.zeros(batch, heads, dtype=torch.bool, device=self.device)
-        repaired = torch.zeros(batch, heads, dtype=torch.int64, device=self.device)
-        by_length: dict[int, list[int]] = {}
-        for row, over in enumerate((~(certificate <= self.policy.tau)).any(-1).tolist()):
-            if over:
-                by_length.setdefault(indptr[row + 1] - indptr[row], []).append(row)
-        for length, rows in by_length.items():
-            index = torch.tensor(rows, device=self.device)
-            decoded = self._repair_rows(layer, query[index], index, length)
-            out[index] = decoded.out.to(out.dtype)
-            certificate[index] = decoded.certificate
-            fallback[index] = decoded.fallback
-            repaired[index] = decoded.repaired_bytes
-        return fallback, repaired
-
-    def _repair_rows(self, layer: RadixAttention, query: torch.Tensor, rows: torch.Tensor, length: int) -> RowsDecode:
-        """``gating.repair_pool_rows`` over batch rows ``rows`` (their queries ``query``), all ``length`` tokens long.
-
-        Pairs repaired at earlier steps come from the pool's device store; new ones from the host backup,
-        and join the store and the pool's ``repaired`` mask.
-        """
-        meta = self.forward_metadata
-        local = layer.layer_id - self.pool.start_layer
-        slots = meta.kv_indices[meta.kv_indptr[rows][:, None] + torch.arange(length, device=self.device)]  # [R, S]
-
-        def fetch(
-            cells: torch.Tensor, positions: torch.Tensor, kv_heads: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.pool.exact_rows(layer.layer_id, slots[cells, positions], kv_heads)
-
-        return repair_pool_rows(
-            query,
-            self.pool.witcert,
-            local,
-            slots,
-            self.pool.exact_store[local],
-            self.pool.repaired[local],
-            fetch,
-            sm_scale=layer.scaling,
-            delta=self.delta_step,
-            tau=self.policy.tau,
-            block_size=self.policy.repair_block,
-        )
+        """Exact K and V rows ``[n, D]`` of the pool's local layer ``local`` from its host backup."""
+        return self.pool.exact_rows(local + self.pool.start_layer, slots, kv_heads)
 
     def forward_extend(
         self,
