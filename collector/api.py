@@ -42,33 +42,43 @@ def to_csv(result: QueryResult) -> str:
     return buffer.getvalue()
 
 
+PARAMETERS = ("from", "to", "model", "instance", "tau", "interval", "limit", "layer", "head", "format")
+_MAX_NAME_CHARS = 1024
+
+
+def _integer(params: dict[str, str], name: str, default: int | None) -> int | None:
+    text = params.get(name)
+    if text in (None, ""):
+        return default
+    digits = text[1:] if text.startswith("-") else text
+    if not (0 < len(digits) <= 18 and digits.isascii() and digits.isdigit()):
+        raise QueryError(f"{name} must be an integer, got {text[:40]!r}")
+    return int(text)
+
+
 def window_from_params(params: dict[str, str]) -> Window:
     """Build a query window from string parameters (HTTP query string or CLI), with clear errors."""
-
-    def integer(name: str, default: int | None) -> int | None:
-        text = params.get(name)
-        if text in (None, ""):
-            return default
-        try:
-            return int(text)
-        except ValueError:
-            raise QueryError(f"{name} must be an integer, got {text!r}") from None
-
+    unknown = sorted(set(params) - set(PARAMETERS))
+    if unknown:
+        raise QueryError(f"unknown parameter {unknown[0][:40]!r}; the parameters are {', '.join(PARAMETERS)}")
+    for name in ("model", "instance"):
+        if len(params.get(name, "")) > _MAX_NAME_CHARS:
+            raise QueryError(f"{name} is longer than {_MAX_NAME_CHARS} characters")
     tau_text = params.get("tau")
     try:
         tau = float(tau_text) if tau_text not in (None, "") else None
     except ValueError:
-        raise QueryError(f"tau must be a number, got {tau_text!r}") from None
+        raise QueryError(f"tau must be a number, got {tau_text[:40]!r}") from None
     return Window(
         start=parse_time(params.get("from") or "-1h"),
         end=parse_time(params.get("to") or "now"),
         model=params.get("model", ""),
         instance=params.get("instance", ""),
         tau=tau,
-        interval_s=integer("interval", None),
-        limit=integer("limit", 20) or 20,
-        layer=integer("layer", -1),
-        head=integer("head", -1),
+        interval_s=_integer(params, "interval", None),
+        limit=_integer(params, "limit", 20),
+        layer=_integer(params, "layer", -1),
+        head=_integer(params, "head", -1),
     )
 
 

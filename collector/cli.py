@@ -42,22 +42,26 @@ def _read_token(path: str | None) -> str | None:
     return token
 
 
+_RETENTION_FIELDS = ("raw_days", "samples_days", "rollup_1m_days", "rollup_1h_days")
+
+
 def _retention_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Retention()
-    group = parser.add_argument_group("retention (days; applied when the schema is first created)")
-    group.add_argument("--raw-days", type=int, default=defaults.raw_days, help="otel_metrics_* raw tables")
-    group.add_argument("--samples-days", type=int, default=defaults.samples_days, help="certificate samples")
-    group.add_argument("--rollup-1m-days", type=int, default=defaults.rollup_1m_days, help="1-minute rollups")
-    group.add_argument("--rollup-1h-days", type=int, default=defaults.rollup_1h_days, help="1-hour rollups")
-
-
-def _retention(args: argparse.Namespace) -> Retention:
-    return Retention(
-        raw_days=args.raw_days,
-        samples_days=args.samples_days,
-        rollup_1m_days=args.rollup_1m_days,
-        rollup_1h_days=args.rollup_1h_days,
+    group = parser.add_argument_group(
+        "retention (days; applied when the schema is first created; points older are rejected)"
     )
+    for name, help_text in zip(
+        _RETENTION_FIELDS,
+        ("otel_metrics_* raw tables", "certificate samples", "1-minute rollups", "1-hour rollups"),
+        strict=True,
+    ):
+        flag = "--" + name.replace("_", "-")
+        group.add_argument(flag, type=int, default=None, help=f"{help_text} (default {getattr(defaults, name)})")
+
+
+def _retention(args: argparse.Namespace, base: Retention | None = None) -> Retention:
+    given = {name: getattr(args, name) for name in _RETENTION_FIELDS if getattr(args, name) is not None}
+    return (base or Retention()).model_copy(update=given) if given else (base or Retention())
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,18 +74,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     collector.add_argument(
-        "--store",
-        default=default_store_url(),
-        help="chdb:///path (embedded, default %(default)s) or clickhouse://user:pass@host:8123/db",
+        "--config",
+        type=Path,
+        default=None,
+        help="a JSON or YAML file of collector settings (CollectorConfig: limits, retention, batching); "
+        "the options below override it",
     )
-    collector.add_argument("--otlp-http", default=DEFAULT_HTTP, help="OTLP/HTTP listen address (default %(default)s)")
-    collector.add_argument("--otlp-grpc", default=DEFAULT_GRPC, help="OTLP/gRPC listen address (default %(default)s)")
+    collector.add_argument(
+        "--store",
+        default=None,
+        help=f"chdb:///path (embedded, default {default_store_url()}) or clickhouse://user:pass@host:8123/db",
+    )
+    collector.add_argument("--otlp-http", default=None, help=f"OTLP/HTTP listen address (default {DEFAULT_HTTP})")
+    collector.add_argument("--otlp-grpc", default=None, help=f"OTLP/gRPC listen address (default {DEFAULT_GRPC})")
     collector.add_argument("--no-grpc", action="store_true", help="do not start the gRPC receiver")
     collector.add_argument("--spool", type=Path, default=None, help="spool directory (default: next to the data)")
     collector.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
     collector.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    collector.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the settings in force and the most memory they let the collector's work hold, then exit",
+    )
     _retention_arguments(collector)
     collector.set_defaults(handler=_run_collector)
+
+    dead = subparsers.add_parser(
+        "dead-letter",
+        help="list, show, replay or drop spooled requests the store refused",
+        description=(
+            "Records the store refused for a reason of their rows (not an outage) are kept in the spool's "
+            "dead/ folder so that they never block the ones behind them. Replay puts them back for the "
+            "drain (the running collector, or the next to start, stores them under the same labels)."
+        ),
+    )
+    dead.add_argument("action", choices=["list", "show", "replay", "drop"])
+    dead.add_argument("names", nargs="*", help="records (as listed); replay takes all when none are named")
+    where = dead.add_mutually_exclusive_group()
+    where.add_argument("--spool", type=Path, default=None, help="the collector's spool directory")
+    where.add_argument("--store", default=None, help="the collector's store, to find its default spool")
+    dead.add_argument("--format", default="table", choices=["table", "json"])
+    dead.set_defaults(handler=_run_dead_letter)
 
     query = subparsers.add_parser(
         "query",
@@ -123,30 +156,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schema.set_defaults(handler=_run_schema)
 
 
+def _collector_config(args: argparse.Namespace) -> CollectorConfig:
+    fields: dict = {}
+    if args.config is not None:
+        fields = _read_config_file(args.config)
+    overrides = {
+        "store_url": args.store,
+        "otlp_http": args.otlp_http,
+        "otlp_grpc": args.otlp_grpc,
+        "spool_dir": args.spool,
+        "token": _read_token(args.token_file),
+    }
+    fields.update({name: value for name, value in overrides.items() if value is not None})
+    if args.no_grpc:
+        fields["otlp_grpc"] = None
+    config = CollectorConfig(**fields)
+    retention = _retention(args, config.retention)
+    return config.model_copy(update={"retention": retention}) if retention != config.retention else config
+
+
+def _read_config_file(path: Path) -> dict:
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))  # YAML reads JSON too
+    except OSError as error:
+        raise ValueError(f"cannot read the config file {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"the config file {path} is not JSON or YAML: {error}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"the config file {path} must hold a mapping of settings")
+    return loaded
+
+
 def _run_collector(args: argparse.Namespace) -> int:
     from witcert.collector.service import Collector
     from witcert.collector.spool import SpoolBusy, SpoolFormatError
-    from witcert.collector.store import StoreError
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fields = {
-        "store_url": args.store,
-        "otlp_http": args.otlp_http,
-        "otlp_grpc": None if args.no_grpc else args.otlp_grpc,
-        "token": _read_token(args.token_file),
-        "retention": _retention(args),
-    }
-    if args.spool is not None:
-        fields["spool_dir"] = args.spool
     try:
-        config = CollectorConfig(**fields)
-    except ValueError as error:
+        config = _collector_config(args)
+    except ValueError as error:  # pydantic's ValidationError is a ValueError
         print(f"witcert collector: {error}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(config.model_dump_json(indent=2))
+        print(f"working memory bound: {config.working_memory_bytes() / 2**20:.0f} MiB on top of the idle process")
+        return 0
     collector = Collector(config)
     try:
         ports = collector.start()
-    except (StoreError, SpoolBusy, SpoolFormatError, OSError) as error:
+    except (SpoolBusy, SpoolFormatError, OSError) as error:
         print(f"witcert collector: {error}", file=sys.stderr)
         return 1
     stop = threading.Event()
@@ -157,13 +217,67 @@ def _run_collector(args: argparse.Namespace) -> int:
         listening.append(f"OTLP/HTTP {config.otlp_http.rsplit(':', 1)[0]}:{ports.http}")
     if ports.grpc is not None:
         listening.append(f"OTLP/gRPC {config.otlp_grpc.rsplit(':', 1)[0]}:{ports.grpc}")
+    ready, report = collector.pipeline.readiness()
+    state = "" if ready else f"; not ready: {report['reason']}"
     print(
-        f"witcert collector: {', '.join(listening)}; store {args.store}; spool {config.resolved_spool_dir()}",
+        f"witcert collector: {', '.join(listening)}; store {collector.store.location.describe()}; "
+        f"spool {config.resolved_spool_dir()}{state}",
         flush=True,
     )
     stop.wait()
     collector.stop()
     return 0
+
+
+def _run_dead_letter(args: argparse.Namespace) -> int:
+    from witcert.collector import spool
+
+    if args.spool is not None:
+        spool_dir = args.spool
+    else:
+        spool_dir = CollectorConfig(store_url=args.store or default_store_url()).resolved_spool_dir()
+    if not (spool_dir / spool.DEAD).is_dir():
+        print(f"witcert dead-letter: no spool at {spool_dir}", file=sys.stderr)
+        return 1
+    letters = spool.dead_letters(spool_dir)
+    known = {letter.name for letter in letters}
+    unknown = [name for name in args.names if name not in known]
+    if unknown:
+        print(f"witcert dead-letter: no dead record {unknown[0]!r} in {spool_dir}", file=sys.stderr)
+        return 1
+    chosen = [letter for letter in letters if not args.names or letter.name in args.names]
+    if args.action == "list":
+        if args.format == "json":
+            print(json.dumps([vars(letter) for letter in chosen]))
+        else:
+            _print_dead_letters(chosen)
+    elif args.action == "show":
+        rows = {letter.name: spool.read_dead_letter(spool_dir, letter.name) for letter in chosen}
+        print(json.dumps(rows, default=str))
+    elif args.action == "replay":
+        moved = spool.requeue_dead_letters(spool_dir, args.names or None)
+        print(f"{len(moved)} record(s) put back for the drain of {spool_dir}")
+    else:
+        if not args.names:
+            print("witcert dead-letter: drop needs the names of the records to delete", file=sys.stderr)
+            return 2
+        dropped = spool.drop_dead_letters(spool_dir, args.names)
+        print(f"{len(dropped)} record(s) deleted")
+    return 0
+
+
+def _print_dead_letters(letters) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="dead letters")
+    for column in ("name", "points", "tables", "since", "reason"):
+        table.add_column(column, overflow="fold")
+    for letter in letters:
+        table.add_row(letter.name, str(letter.points), ", ".join(letter.tables), letter.dead_since, letter.reason)
+    Console(width=200).print(table)
+    if not letters:
+        print("(no dead letters)")
 
 
 def _run_query(args: argparse.Namespace) -> int:

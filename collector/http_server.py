@@ -1,275 +1,52 @@
-"""OTLP/HTTP receiver (``POST /v1/metrics``, protobuf or JSON, gzip), health and the read API.
+"""OTLP/HTTP receiver (``POST /v1/metrics``, protobuf or JSON, gzip), health, metrics and the read API.
 
-Status codes follow the OTLP/HTTP spec: 200 (with ``partial_success`` when points were rejected),
-400 for an undecodable body (final, the client must not retry), 401, 404, 405, 411, 413, 415, and
-503 with ``Retry-After`` when the spool is full, the store has been down too long, or too many
-request bytes are in memory at once. Error bodies are ``google.rpc.Status`` in the request's encoding.
+Served by aiohttp (asynchronous, maintained; chosen over uvicorn because its connections are
+closed when their request headers do not arrive within the keep-alive timeout, the first request
+included, and because it reads and discards the rest of a body a handler answered early, so a
+client that writes its whole body before reading still sees the 413 or 503). One event loop in
+its own thread accepts every connection; decoding runs on ``ingest_workers`` threads, reads of
+the store on their own threads, so /healthz and /readyz answer while ingest is saturated.
+
+Load is shed, never queued without bound: beyond ``ingest_workers + max_queued_requests``
+requests in progress, or ``max_connections`` connections, or when the memory budget cannot hold
+the body, a request gets 503 with ``Retry-After`` at once. Status codes follow the OTLP/HTTP spec:
+200 (with ``partial_success`` when points were rejected), 400 for an undecodable body (final),
+401, 404, 405, 408 (body too slow), 411, 413, 415, 503. Error bodies are ``google.rpc.Status`` in
+the request's encoding.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import threading
-import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, urlsplit
 
+from aiohttp import web
 from google.protobuf import json_format
 from google.rpc import status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 
 from witcert.collector import api
-from witcert.collector.config import parse_listen_address
-from witcert.collector.requests import ApiRequest, Outcome, Route
-
-if TYPE_CHECKING:
-    from witcert.collector.pipeline import Pipeline
+from witcert.collector.budget import Hold
+from witcert.collector.config import CONNECTION_BUFFER_BYTES, parse_listen_address
+from witcert.collector.otlp import JSON, PROTOBUF
+from witcert.collector.pipeline import Pipeline
+from witcert.collector.requests import ApiRequest, ApiResponse, Outcome, Route
+from witcert.collector.store import StoreError
 
 log = logging.getLogger(__name__)
 
-PROTOBUF = "application/x-protobuf"
-JSON = "application/json"
-_MAX_CONNECTIONS = 256
-_SOCKET_TIMEOUT_S = 30.0
-
-
-class PayloadTooLarge(ValueError):
-    pass
-
-
-def gunzip_capped(body: bytes, limit: int) -> bytes:
-    """Decompress a gzip body, refusing to produce more than ``limit`` bytes (a gzip bomb)."""
-    decompressor = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        output = decompressor.decompress(body, limit + 1)
-        if len(output) > limit or decompressor.unconsumed_tail:
-            raise PayloadTooLarge(f"decompressed body exceeds {limit} bytes")
-        output += decompressor.flush()
-    except zlib.error as error:
-        raise ValueError(f"corrupt gzip body: {error}") from None
-    if not decompressor.eof:
-        raise ValueError("corrupt gzip body: truncated stream")
-    if len(output) > limit:
-        raise PayloadTooLarge(f"decompressed body exceeds {limit} bytes")
-    return output
-
-
-class _InflightBudget:
-    """Bytes of request bodies held in memory across all connections."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def acquire(self, amount: int) -> bool:
-        with self._lock:
-            if self.used + amount > self.limit:
-                return False
-            self.used += amount
-            return True
-
-    def release(self, amount: int) -> None:
-        with self._lock:
-            self.used -= amount
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    # The default listen backlog (5) drops connections under a burst of exporters.
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], collector: Pipeline, routes: Sequence[Route]) -> None:
-        self.collector = collector
-        self.routes = tuple(routes)
-        self.budget = _InflightBudget(collector.config.limits.max_inflight_bytes)
-        self.connection_slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
-        super().__init__(address, _Handler)
-
-    def process_request(self, request, client_address) -> None:
-        # Bound the threads: beyond the cap, a connection is closed at once (clients retry).
-        if not self.connection_slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.connection_slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.connection_slots.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-    timeout = _SOCKET_TIMEOUT_S
-    server_version = "witcert-collector"
-
-    def log_message(self, format: str, *args: object) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    # --- helpers ----------------------------------------------------------------------------
-    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _error(self, status: int, message: str, content_type: str = JSON, retry_after: int | None = None) -> None:
-        status_message = status_pb2.Status(code=_grpc_code(status), message=message)
-        if content_type == PROTOBUF:
-            body = status_message.SerializeToString()
-        else:
-            content_type = JSON
-            body = json_format.MessageToJson(status_message, indent=None).encode()
-        headers = {"Retry-After": str(retry_after)} if retry_after else {}
-        if status >= 400 and self.headers.get("Content-Length") and not getattr(self, "_body_read", False):
-            # The body was not read: close so that its bytes are not parsed as the next request.
-            headers["Connection"] = "close"
-            self.close_connection = True
-        self._send(status, body, content_type, headers)
-
-    def _authorized(self) -> bool:
-        token = self.server.collector.config.token
-        if token is None:
-            return True
-        supplied = self.headers.get("Authorization", "")
-        return hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode())
-
-    # --- routes -----------------------------------------------------------------------------
-    def do_POST(self) -> None:
-        path = urlsplit(self.path).path
-        if path != "/v1/metrics":
-            self._error(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {path} (OTLP metrics go to /v1/metrics)")
-            return
-        if not self._authorized():
-            self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
-            return
-        content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if content_type not in (PROTOBUF, JSON):
-            self._error(
-                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                f"Content-Type {content_type or '(none)'} is not supported: use {PROTOBUF} or {JSON}",
-            )
-            return
-        encoding = self.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in ("identity", "gzip"):
-            self._error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding} is not supported: use gzip")
-            return
-        length_text = self.headers.get("Content-Length")
-        if length_text is None or not length_text.isdigit():
-            self._error(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required (chunked bodies are not accepted)")
-            return
-        length = int(length_text)
-        limits = self.server.collector.config.limits
-        if length > limits.max_body_bytes:
-            self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes exceeds {limits.max_body_bytes}")
-            return
-        if not self.server.budget.acquire(length):
-            self._error(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                "too many request bytes in flight",
-                content_type,
-                retry_after=limits.retry_after_s,
-            )
-            return
-        try:
-            self._export(length, content_type, encoding)
-        finally:
-            self.server.budget.release(length)
-
-    def _export(self, length: int, content_type: str, encoding: str) -> None:
-        limits = self.server.collector.config.limits
-        body = self.rfile.read(length)
-        self._body_read = True
-        if len(body) != length:
-            self._error(HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes", content_type)
-            self.close_connection = True
-            return
-        if encoding == "gzip":
-            try:
-                body = gunzip_capped(body, limits.max_decompressed_bytes)
-            except PayloadTooLarge as error:
-                self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(error), content_type)
-                return
-            except ValueError as error:
-                self._error(HTTPStatus.BAD_REQUEST, str(error), content_type)
-                return
-        try:
-            result = self.server.collector.ingest(body, content_type)
-        except Exception:  # a bug must cost one request, not the connection or the service
-            log.exception("ingest failed")
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error while ingesting", content_type)
-            return
-        if result.outcome is Outcome.INVALID:
-            self._error(HTTPStatus.BAD_REQUEST, result.message, content_type)
-            return
-        if result.outcome is Outcome.UNAVAILABLE:
-            self._error(HTTPStatus.SERVICE_UNAVAILABLE, result.message, content_type, limits.retry_after_s)
-            return
-        response = ExportMetricsServiceResponse()
-        if result.rejected_points or result.message:
-            response.partial_success.rejected_data_points = result.rejected_points
-            response.partial_success.error_message = result.message
-        if content_type == PROTOBUF:
-            self._send(HTTPStatus.OK, response.SerializeToString(), PROTOBUF)
-        else:
-            self._send(HTTPStatus.OK, json_format.MessageToJson(response, indent=None).encode(), JSON)
-
-    def do_GET(self) -> None:
-        parts = urlsplit(self.path)
-        path = parts.path
-        collector = self.server.collector
-        if path == "/healthz":
-            self._send(HTTPStatus.OK, b'{"status":"ok"}', JSON)
-            return
-        if path == "/readyz":
-            ready, report = collector.readiness()
-            status = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
-            self._send(status, json.dumps(report).encode(), JSON)
-            return
-        if not self._authorized():
-            self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
-            return
-        request = ApiRequest(
-            path=path,
-            params=dict(parse_qsl(parts.query, keep_blank_values=True)),
-            headers={name.lower(): value for name, value in self.headers.items()},
-            queries=collector.queries,
-        )
-        for route in self.server.routes:
-            if path == route.prefix or path.startswith(route.prefix.rstrip("/") + "/"):
-                try:
-                    response = route.handler(request)
-                except Exception:  # a mounted page must never take the collector down
-                    log.exception("route %s failed", route.prefix)
-                    self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error serving {path}")
-                    return
-                self._send(response.status, response.body, response.content_type, dict(response.headers))
-                return
-        self._error(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {path}")
-
-    do_HEAD = do_GET
-
-    def _method_not_allowed(self) -> None:
-        self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"method {self.command} is not allowed here")
-
-    do_PUT = do_DELETE = do_PATCH = _method_not_allowed
+_READ_STEP = 256 * 1024
+_STATUS_FOR = {
+    Outcome.INVALID: HTTPStatus.BAD_REQUEST,
+    Outcome.TOO_LARGE: HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+    Outcome.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+}
 
 
 def _grpc_code(http_status: int) -> int:
@@ -279,6 +56,7 @@ def _grpc_code(http_status: int) -> int:
         401: 16,  # UNAUTHENTICATED
         404: 5,  # NOT_FOUND
         405: 12,  # UNIMPLEMENTED
+        408: 4,  # DEADLINE_EXCEEDED
         411: 3,
         413: 8,  # RESOURCE_EXHAUSTED
         415: 3,
@@ -287,12 +65,303 @@ def _grpc_code(http_status: int) -> int:
     }.get(http_status, 2)  # UNKNOWN
 
 
-def start_http_server(collector: Pipeline, address: str, extra_routes: Sequence[Route] = ()) -> tuple[_Server, int]:
-    host, port = parse_listen_address(address)
-    try:
-        server = _Server((host, port), collector, (*api.routes(), *extra_routes))
-    except OSError as error:
-        raise OSError(f"cannot listen for OTLP/HTTP on {address}: {error.strerror}") from None
-    thread = threading.Thread(target=server.serve_forever, name="witcert-otlp-http", daemon=True)
-    thread.start()
-    return server, server.server_address[1]
+def _error(status: int, message: str, content_type: str = JSON, retry_after: int | None = None) -> web.Response:
+    status_message = status_pb2.Status(code=_grpc_code(status), message=message)
+    if content_type == PROTOBUF:
+        body = status_message.SerializeToString()
+    else:
+        content_type = JSON
+        body = json_format.MessageToJson(status_message, indent=None).encode()
+    headers = {"Retry-After": str(retry_after)} if retry_after else {}
+    return web.Response(status=status, body=body, content_type=content_type, headers=headers)
+
+
+def metrics_text(pipeline: Pipeline) -> str:
+    """The collector's own counters and gauges in the Prometheus text format."""
+    ready, report = pipeline.readiness()
+    lines = []
+    for name, value in report["counters"].items():
+        lines += [f"# TYPE witcert_collector_{name} counter", f"witcert_collector_{name}_total {value}"]
+    dead = report["dead_letter"]
+    for name, value in (
+        ("ready", int(ready)),
+        ("store_ok", int(report["store_ok"])),
+        ("spool_bytes", report["spool_bytes"]),
+        ("spool_points", report["spool_points"]),
+        ("memory_in_use_bytes", report["memory_in_use_bytes"]),
+        ("memory_budget_bytes", report["memory_budget_bytes"]),
+        ("dead_letter_records", dead["records"]),
+        ("dead_letter_points", dead["points"]),
+    ):
+        lines += [f"# TYPE witcert_collector_{name} gauge", f"witcert_collector_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+class HttpReceiver:
+    """The aiohttp application and its event-loop thread."""
+
+    def __init__(self, pipeline: Pipeline, address: str, routes: Sequence[Route]) -> None:
+        self.pipeline = pipeline
+        self.address = address
+        self.routes = tuple(routes)
+        limits = pipeline.config.limits
+        self.limits = limits
+        self._ingest_pool = ThreadPoolExecutor(limits.ingest_workers, thread_name_prefix="witcert-ingest")
+        self._read_pool = ThreadPoolExecutor(2, thread_name_prefix="witcert-read")
+        self._in_progress = 0  # ingest requests admitted (decoding or waiting for a worker); loop thread only
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def start(self) -> int:
+        host, port = parse_listen_address(self.address)
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        async def serve() -> None:
+            app = web.Application(client_max_size=self.limits.max_body_bytes)
+            app.router.add_route("*", "/{tail:.*}", self._dispatch)
+            self._runner = web.AppRunner(
+                app,
+                access_log=None,
+                shutdown_timeout=2.0,
+                keepalive_timeout=self.limits.header_timeout_s,
+                lingering_time=self.limits.body_timeout_s,
+                read_bufsize=CONNECTION_BUFFER_BYTES // 2,
+                # Bodies are inflated by the pipeline, against the memory budget and its cap.
+                auto_decompress=False,
+            )
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, host, port, backlog=512, reuse_address=True)
+            await site.start()
+            self.port = self._runner.addresses[0][1]
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._loop.run_until_complete(serve())
+            except BaseException as error:  # reported to start() below
+                failure.append(error)
+                started.set()
+                return
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="witcert-otlp-http", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            self._thread.join()
+            self._shutdown_pools()
+            error = failure[0]
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+            raise OSError(f"cannot listen for OTLP/HTTP on {self.address}: {reason}") from None
+        assert self.port is not None
+        return self.port
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        runner = self._runner
+
+        async def close() -> None:
+            if runner is not None:
+                await runner.cleanup()
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:  # connections still open (keep-alive clients): end their handlers
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._thread = None
+        self._loop.close()
+        self._shutdown_pools()
+
+    def _shutdown_pools(self) -> None:
+        self._ingest_pool.shutdown(wait=True, cancel_futures=True)
+        self._read_pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- routing ----------------------------------------------------------------------------
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        server = self._runner.server if self._runner is not None else None
+        if server is not None and len(server.connections) > self.limits.max_connections:
+            response = _error(
+                HTTPStatus.SERVICE_UNAVAILABLE, "too many open connections", retry_after=self.limits.retry_after_s
+            )
+            response.force_close()
+            return response
+        if request.method == "POST":
+            return await self._post(request)
+        if request.method in ("GET", "HEAD"):
+            return await self._get(request)
+        return _error(HTTPStatus.METHOD_NOT_ALLOWED, f"method {request.method} is not allowed here")
+
+    def _authorized(self, request: web.Request) -> bool:
+        token = self.pipeline.config.token
+        if token is None:
+            return True
+        supplied = request.headers.get("Authorization", "")
+        return hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode())
+
+    # --- OTLP -------------------------------------------------------------------------------
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        limits = self.limits
+        if request.path != "/v1/metrics":
+            return _error(
+                HTTPStatus.NOT_FOUND, f"no such endpoint: POST {request.path} (OTLP metrics go to /v1/metrics)"
+            )
+        if not self._authorized(request):
+            return _error(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
+        content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if content_type not in (PROTOBUF, JSON):
+            return _error(
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                f"Content-Type {content_type or '(none)'} is not supported: use {PROTOBUF} or {JSON}",
+            )
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("identity", "gzip"):
+            return _error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding} is not supported: use gzip")
+        length = request.content_length
+        if length is None:
+            return _error(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required (chunked bodies are not accepted)")
+        if length > limits.max_body_bytes:
+            return _error(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"body of {length} bytes exceeds {limits.max_body_bytes}",
+                content_type,
+            )
+        hold = self.pipeline.budget.hold()
+        try:
+            # A slow upload holds only the bytes it sent (and is cut at body_timeout_s), never a
+            # decoding slot: the slots go to requests whose bodies are in.
+            body = await self._read_body(request, length, hold)
+        except BaseException:
+            hold.release_all()
+            raise
+        if isinstance(body, web.Response):
+            hold.release_all()
+            return body
+        if self._in_progress >= limits.ingest_workers + limits.max_queued_requests:
+            hold.release_all()
+            return _error(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "the collector is busy decoding other requests",
+                content_type,
+                retry_after=limits.retry_after_s,
+            )
+        self._in_progress += 1
+        try:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(
+                self._ingest_pool, self.pipeline.ingest, body, content_type, encoding, hold
+            )
+        except Exception:  # a bug must cost one request, not the connection or the service
+            log.exception("ingest failed")
+            return _error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error while ingesting", content_type)
+        finally:
+            hold.release_all()
+            self._in_progress -= 1
+        if result.outcome in _STATUS_FOR:
+            status = _STATUS_FOR[result.outcome]
+            retry = limits.retry_after_s if result.outcome is Outcome.UNAVAILABLE else None
+            return _error(status, result.message, content_type, retry)
+        response = ExportMetricsServiceResponse()
+        if result.rejected_points or result.message:
+            response.partial_success.rejected_data_points = result.rejected_points
+            response.partial_success.error_message = result.message
+        if content_type == PROTOBUF:
+            return web.Response(body=response.SerializeToString(), content_type=PROTOBUF)
+        return web.Response(body=json_format.MessageToJson(response, indent=None).encode(), content_type=JSON)
+
+    async def _read_body(self, request: web.Request, length: int, hold: Hold) -> bytes | web.Response:
+        """The body, reserved from the budget as it arrives, within ``body_timeout_s``."""
+        content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        parts: list[bytes] = []
+        received = 0
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                while received < length:
+                    chunk = await request.content.read(min(_READ_STEP, length - received))
+                    if not chunk:
+                        break
+                    if not hold.try_take(len(chunk)):
+                        return _error(
+                            HTTPStatus.SERVICE_UNAVAILABLE,
+                            "the memory budget is in use by other requests",
+                            content_type,
+                            retry_after=self.limits.retry_after_s,
+                        )
+                    parts.append(chunk)
+                    received += len(chunk)
+        except TimeoutError:
+            response = _error(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"body not received within {self.limits.body_timeout_s:g} s ({received} of {length} bytes)",
+                content_type,
+            )
+            response.force_close()
+            return response
+        if received != length:
+            response = _error(HTTPStatus.BAD_REQUEST, f"body ended after {received} of {length} bytes", content_type)
+            response.force_close()
+            return response
+        if len(parts) == 1:
+            return parts[0]
+        if not hold.try_take(length):  # joined: both copies for a moment
+            return _error(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "the memory budget is in use by other requests",
+                content_type,
+                retry_after=self.limits.retry_after_s,
+            )
+        body = b"".join(parts)
+        parts.clear()
+        hold.give_back(length)
+        return body
+
+    # --- health, metrics, read API, mounted pages --------------------------------------------
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        if request.body_exists:
+            return _error(HTTPStatus.BAD_REQUEST, f"{request.method} requests take no body")
+        path = request.path
+        if path == "/healthz":
+            return web.Response(body=b'{"status":"ok"}', content_type=JSON)
+        if path == "/readyz":
+            ready, report = self.pipeline.readiness()
+            status = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
+            return web.Response(status=status, body=json.dumps(report).encode(), content_type=JSON)
+        if path == "/metrics":
+            return web.Response(text=metrics_text(self.pipeline), content_type="text/plain", charset="utf-8")
+        if not self._authorized(request):
+            return _error(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
+        for route in self.routes:
+            if path == route.prefix or path.startswith(route.prefix.rstrip("/") + "/"):
+                api_request = ApiRequest(
+                    path=path,
+                    params=dict(request.query),
+                    headers={name.lower(): value for name, value in request.headers.items()},
+                    queries=self.pipeline.queries,
+                )
+                loop = asyncio.get_running_loop()
+                try:
+                    answer: ApiResponse = await loop.run_in_executor(self._read_pool, route.handler, api_request)
+                except StoreError as error:
+                    return _error(HTTPStatus.SERVICE_UNAVAILABLE, str(error), retry_after=self.limits.retry_after_s)
+                except Exception:  # a mounted page must never take the collector down
+                    log.exception("route %s failed", route.prefix)
+                    return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error serving {path}")
+                return web.Response(
+                    status=answer.status,
+                    body=answer.body,
+                    headers={"Content-Type": answer.content_type, **dict(answer.headers)},
+                )
+        return _error(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {path}")
+
+
+def start_http_server(pipeline: Pipeline, address: str, extra_routes: Sequence[Route] = ()) -> tuple[HttpReceiver, int]:
+    receiver = HttpReceiver(pipeline, address, (*api.routes(), *extra_routes))
+    return receiver, receiver.start()

@@ -24,6 +24,9 @@ NOT_PER_HEAD = 65535
 # Ranges up to this long read the 1-minute rollups; longer ones the 1-hour rollups.
 MINUTE_ROLLUP_MAX_RANGE = timedelta(days=2)
 MAX_SAMPLE_ROWS = 100_000
+# The store's DateTime64(9) columns hold 1900 .. 2262-04-11; its DateTime rollup buckets 1970 .. 2106.
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(2106, 1, 1, tzinfo=UTC)
 TARGET_POINTS = 240
 
 # name -> SQL. Placeholders: start, end (DateTime64), interval (seconds), model and instance
@@ -149,6 +152,12 @@ class Window:
     def __post_init__(self) -> None:
         if self.start.tzinfo is None or self.end.tzinfo is None:
             raise QueryError("start and end must carry a time zone")
+        for name, moment in (("from", self.start), ("to", self.end)):
+            if not EARLIEST <= moment <= LATEST:
+                raise QueryError(
+                    f"{name} {moment.isoformat()} is outside {EARLIEST.date().isoformat()} .. "
+                    f"{LATEST.date().isoformat()} (the range of the store's time columns)"
+                )
         if self.end <= self.start:
             raise QueryError(f"empty time range: end {self.end.isoformat()} <= start {self.start.isoformat()}")
         if self.tau is not None and not (math.isfinite(self.tau) and self.tau > 0):
@@ -228,10 +237,19 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
     if text == "now":
         return now
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if text.startswith("-") and text[-1:] in units and text[1:-1].isdigit():
-        return now - timedelta(seconds=int(text[1:-1]) * units[text[-1]])
+    problem = QueryError(f"time {text[:40]!r} is neither ISO-8601, 'now', nor relative like -15m")
+    if not text.isascii():
+        raise problem
+    amount = text[1:-1]
+    if text.startswith("-") and text[-1:] in units and amount.isdigit():
+        if len(amount) > 12:
+            raise QueryError(f"time {text[:40]!r} reaches too far back")
+        try:
+            return now - timedelta(seconds=int(amount) * units[text[-1]])
+        except OverflowError:
+            raise QueryError(f"time {text[:40]!r} reaches too far back") from None
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise QueryError(f"time {text!r} is neither ISO-8601, 'now', nor relative like -15m") from None
+        raise problem from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

@@ -49,7 +49,8 @@ class Outcome(Enum):
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"  # a client retry of a request already spooled: acknowledged again
     INVALID = "invalid"  # undecodable body: 400 / INVALID_ARGUMENT
-    UNAVAILABLE = "unavailable"  # spool full or store down too long: 503 / UNAVAILABLE + retry delay
+    TOO_LARGE = "too large"  # beyond a size cap or the whole memory budget: 413 / RESOURCE_EXHAUSTED
+    UNAVAILABLE = "unavailable"  # spool full, store down too long, budget in use: 503 / UNAVAILABLE + retry
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,7 @@ class Collector:
     def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Stop receiving, give the drain up to ``drain_timeout_s`` to store what is spooled, close."""
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
             self._http = None
         if self._grpc is not None:
             self._grpc.stop(grace=1.0).wait()

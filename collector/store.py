@@ -2,13 +2,15 @@
 
 URLs: ``chdb:///absolute/path`` (embedded; one process per path, guarded by a lock file next to
 it) and ``clickhouse://user:pass@host:8123/db`` (``clickhouses://`` or ``?secure=true`` for https).
-Calls are serialised: one clickhouse-connect client is not safe for concurrent queries.
+Calls are serialised: one clickhouse-connect client is not safe for concurrent queries, and every
+Store on one chDB path in a process shares that path's one session (chDB allows no other).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import struct
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import clickhouse_connect
-from clickhouse_connect.driver.exceptions import ClickHouseError
+from clickhouse_connect.driver.exceptions import ClickHouseError, DatabaseError, DataError, OperationalError
 
 from witcert.collector import migrations
 from witcert.collector.config import Retention
@@ -31,6 +33,10 @@ class StoreError(RuntimeError):
 
 class StoreBusy(StoreError):
     """Another process holds the chDB path."""
+
+
+class StoreUnavailable(StoreError):
+    """The store is not connected (yet): the collector started without it, or it went away."""
 
 
 @dataclass(frozen=True)
@@ -100,30 +106,114 @@ class _PathLock:
         os.close(self._fd)
 
 
-class Store:
-    """One connection to the store, with the schema migrated on open."""
+@dataclass
+class _SharedChdb:
+    """One chDB session per data path in this process, shared by every Store opened on the path."""
 
-    def __init__(self, url: str, retention: Retention | None = None, migrate: bool = True) -> None:
+    client: Any
+    lock: threading.Lock
+    path_lock: _PathLock
+    users: int = 1
+
+
+_CHDB_SESSIONS: dict[Path, _SharedChdb] = {}
+_CHDB_SESSIONS_LOCK = threading.Lock()
+
+# Server errors that say the rows themselves can never be stored (retrying cannot help): the
+# record is moved to the spool's dead letters. Every other failure is taken for an outage.
+_REFUSED_DATA_CODES = frozenset(
+    {
+        6,  # CANNOT_PARSE_TEXT
+        8,  # THERE_IS_NO_COLUMN
+        10,  # NOT_FOUND_COLUMN_IN_BLOCK
+        16,  # NO_SUCH_COLUMN_IN_TABLE
+        27,  # CANNOT_PARSE_INPUT_ASSERTION_FAILED
+        38,  # CANNOT_PARSE_DATE
+        41,  # CANNOT_PARSE_DATETIME
+        43,  # ILLEGAL_TYPE_OF_ARGUMENT
+        44,  # ILLEGAL_COLUMN
+        53,  # TYPE_MISMATCH
+        69,  # ARGUMENT_OUT_OF_BOUND
+        70,  # CANNOT_CONVERT_TYPE
+        72,  # CANNOT_PARSE_NUMBER
+        117,  # INCORRECT_DATA
+        128,  # TOO_LARGE_ARRAY_SIZE
+        131,  # TOO_LARGE_STRING_SIZE
+        190,  # SIZES_OF_ARRAYS_DONT_MATCH
+        321,  # VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE
+        407,  # DECIMAL_OVERFLOW
+        469,  # VIOLATED_CONSTRAINT
+    }
+)
+
+
+def refuses_data(error: BaseException) -> bool:
+    """Whether a failed insert failed because of the rows (for good), not because of the store."""
+    if isinstance(error, OperationalError):  # the connection, not the data
+        return False
+    if isinstance(error, DataError | TypeError | ValueError | OverflowError | struct.error):
+        return True  # the client could not encode the rows
+    if isinstance(error, DatabaseError):
+        code = getattr(error, "code", None)
+        # 252 is both "too many parts" (merges behind: wait) and "too many partitions" (the block's).
+        return code in _REFUSED_DATA_CODES or (code == 252 and "partitions for single INSERT" in str(error))
+    return False
+
+
+def server_answered(error: BaseException) -> bool:
+    """Whether the store answered with an error of its own (it is up), rather than not answering."""
+    return isinstance(error, DatabaseError) and not isinstance(error, OperationalError)
+
+
+class Store:
+    """One connection to the store, with the schema migrated when it opens.
+
+    ``connect=False`` defers opening: ``connect()`` may then be retried until the store answers
+    (the collector starts without its store). Calls are serialised per connection (per chDB path
+    within a process: chDB has one session per path)."""
+
+    def __init__(
+        self, url: str, retention: Retention | None = None, migrate: bool = True, connect: bool = True
+    ) -> None:
         self.location = parse_store_url(url)
+        self.retention = retention or Retention()
+        self.migrate = migrate
+        self.client = None
         self._lock = threading.Lock()
-        self._path_lock: _PathLock | None = None
+        self._chdb_path: Path | None = None
+        if connect:
+            self.connect()
+
+    @property
+    def connected(self) -> bool:
+        return self.client is not None
+
+    def connect(self) -> None:
+        """Open the connection and apply missing migrations; StoreError when the store cannot be used."""
+        if self.client is not None:
+            return
         if self.location.kind == "chdb":
             assert self.location.path is not None
-            self._path_lock = _PathLock(self.location.path)
+            client, lock = _open_chdb(self.location.path)
+            self._chdb_path = self.location.path
+        else:
+            client, lock = self._connect_server(), threading.Lock()
         try:
-            self.client = self._connect()
-            if migrate:
-                with self._lock:
-                    migrations.migrate(self.client, retention or Retention())
-        except BaseException:
-            self.close()
+            if self.migrate:
+                with lock:
+                    migrations.migrate(client, self.retention)
+        except BaseException as error:
+            self._close_client(client)
+            if isinstance(error, migrations.MigrationError):
+                raise StoreError(str(error)) from error
+            if isinstance(error, Exception) and not isinstance(error, StoreError):
+                raise StoreError(f"cannot prepare the store {self.location.describe()}: {error}") from error
             raise
+        self.client, self._lock = client, lock
 
-    def _connect(self):
+    def _connect_server(self):
         location = self.location
         try:
-            if location.kind == "chdb":
-                return clickhouse_connect.get_client(interface="chdb", path=str(location.path))
             return clickhouse_connect.get_client(
                 host=location.host,
                 port=location.port,
@@ -135,38 +225,75 @@ class Store:
         except Exception as error:
             raise StoreError(f"cannot open the store {location.describe()}: {error}") from error
 
+    def _connected_client(self):
+        client = self.client
+        if client is None:
+            raise StoreUnavailable(f"the store {self.location.describe()} is not connected")
+        return client
+
     def insert_columns(self, table: str, columns: Mapping[str, Sequence[Any]], token: str) -> None:
         """Insert column-oriented rows; a repeat with the same token is dropped by the store."""
         names = list(columns)
         settings = dict(_INSERT_SETTINGS, insert_deduplication_token=token)
         with self._lock:
-            self.client.insert(
+            self._connected_client().insert(
                 table, [columns[name] for name in names], column_names=names, column_oriented=True, settings=settings
             )
 
     def query(self, sql: str, parameters: Mapping[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
         """Run a parameterised read (``{name:Type}`` placeholders); return column names and rows."""
         with self._lock:
-            result = self.client.query(sql, parameters=dict(parameters or {}))
+            result = self._connected_client().query(sql, parameters=dict(parameters or {}))
         return list(result.column_names), [tuple(row) for row in result.result_rows]
 
     def command(self, sql: str) -> None:
         with self._lock:
-            self.client.command(sql)
+            self._connected_client().command(sql)
 
     def ping(self) -> bool:
         try:
             with self._lock:
-                self.client.query("SELECT 1")
+                self._connected_client().query("SELECT 1")
             return True
-        except (ClickHouseError, OSError):
+        except (ClickHouseError, OSError, StoreError):
             return False
 
-    def close(self) -> None:
-        client = getattr(self, "client", None)
-        if client is not None:
+    def _close_client(self, client) -> None:
+        if self.location.kind == "chdb":
+            assert self.location.path is not None
+            _close_chdb(self.location.path)
+        else:
             client.close()
-            self.client = None
-        if self._path_lock is not None:
-            self._path_lock.release()
-            self._path_lock = None
+
+    def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            self._close_client(client)
+
+
+def _open_chdb(path: Path) -> tuple[Any, threading.Lock]:
+    with _CHDB_SESSIONS_LOCK:
+        shared = _CHDB_SESSIONS.get(path)
+        if shared is not None:
+            shared.users += 1
+            return shared.client, shared.lock
+        path_lock = _PathLock(path)
+        try:
+            client = clickhouse_connect.get_client(interface="chdb", path=str(path))
+        except Exception as error:
+            path_lock.release()
+            raise StoreError(f"cannot open the store chdb://{path}: {error}") from error
+        _CHDB_SESSIONS[path] = _SharedChdb(client, threading.Lock(), path_lock)
+        return client, _CHDB_SESSIONS[path].lock
+
+
+def _close_chdb(path: Path) -> None:
+    with _CHDB_SESSIONS_LOCK:
+        shared = _CHDB_SESSIONS.get(path)
+        if shared is None:
+            return
+        shared.users -= 1
+        if shared.users == 0:
+            del _CHDB_SESSIONS[path]
+            shared.client.close()
+            shared.path_lock.release()

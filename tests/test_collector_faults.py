@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from google.rpc import status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
@@ -209,6 +210,7 @@ MEMORY_LIMITS = Limits(
     max_body_bytes=8 * 1024**2,
     max_decompressed_bytes=16 * 1024**2,
     decode_chunk_bytes=256 * 1024,
+    max_point_bytes=64 * 1024,
     max_row_bytes_per_request=32 * 1024**2,
 )
 
@@ -299,7 +301,7 @@ def test_gzip_and_attribute_expansion_stay_within_the_memory_budget(tmp_path):
         reply = OtlpHttpClient("127.0.0.1", port).post(request.SerializeToString())
         assert reply.status == 200
         rejected, message = reply.partial_success()
-        assert rejected == 3000 and "attributes" in message
+        assert rejected == 6000 and "attributes" in message
         # Within the caps per attribute set, but copied onto every row: the rows are bounded per request.
         request = _request("rows")
         for index in range(4):
@@ -317,35 +319,45 @@ def test_gzip_and_attribute_expansion_stay_within_the_memory_budget(tmp_path):
     assert growth <= _memory_bound_kib(config), f"peak RSS grew {growth} KiB over {baseline} KiB"
 
 
-def test_every_otlp_string_is_capped(make_collector):
-    collector = make_collector(limits=Limits(max_body_bytes=32 * 1024**2, max_decompressed_bytes=64 * 1024**2))
-    model, now, huge = _model("strings"), time.time_ns(), "z" * (4 * 1024**2)
+def _strings_request(model: str, now: int, text: str) -> ExportMetricsServiceRequest:
+    """Seven points, each carrying ``text`` in another string of the OTLP data model."""
     request = _request(model)
     metrics = request.resource_metrics[0].scope_metrics[0].metrics
     for field in ("name", "description", "unit"):
         metric = metrics.add(name="fault.ok")
-        setattr(metric, field, huge)
+        setattr(metric, field, text)
         metric.gauge.data_points.add(time_unix_nano=now, as_double=1.0)
     keyed = metrics.add(name="fault.key").gauge.data_points.add(time_unix_nano=now, as_double=1.0)
-    keyed.attributes.add(key=huge, value=AnyValue(int_value=1))
-    scoped = request.resource_metrics[0].scope_metrics.add()
-    scoped.scope.name = huge
-    scoped.metrics.add(name="fault.scope").gauge.data_points.add(time_unix_nano=now, as_double=1.0)
-    versioned = request.resource_metrics[0].scope_metrics.add()
-    versioned.scope.version = huge
-    versioned.metrics.add(name="fault.version").gauge.data_points.add(time_unix_nano=now, as_double=1.0)
+    keyed.attributes.add(key=text, value=AnyValue(int_value=1))
     valued = metrics.add(name="fault.value").gauge.data_points.add(time_unix_nano=now, as_double=1.0)
-    valued.attributes.add(key="k", value=AnyValue(string_value=huge))
-    reply = _post(collector, request.SerializeToString(), compress=True)
+    valued.attributes.add(key="k", value=AnyValue(string_value=text))
+    for field in ("name", "version"):
+        scoped = request.resource_metrics[0].scope_metrics.add()
+        setattr(scoped.scope, field, text)
+        scoped.metrics.add(name="fault.scope").gauge.data_points.add(time_unix_nano=now, as_double=1.0)
+    return request
+
+
+def test_every_otlp_string_is_capped(make_collector):
+    collector = make_collector(limits=Limits(max_body_bytes=32 * 1024**2, max_decompressed_bytes=64 * 1024**2))
+    model, now = _model("strings"), time.time_ns()
+    # Over each string's cap: rejected one by one when decoded, each with its reason.
+    reply = _post(collector, _strings_request(model, now, "z" * 20_000).SerializeToString())
     assert reply.status == 200
     rejected, message = reply.partial_success()
     assert rejected == 7
-    for phrase in ("name", "description", "unit", "key", "scope", "value"):
+    for phrase in ("metric name", "description", "unit", "attribute key", "attribute value", "scope name", "version"):
+        assert phrase in message, (phrase, message)
+    # 4 MiB strings: left out before decoding (the piece that would hold them is capped).
+    reply = _post(collector, _strings_request(model, now, "z" * (4 * 1024**2)).SerializeToString(), compress=True)
+    assert reply.status == 200
+    rejected, message = reply.partial_success()
+    assert rejected == 7
+    for phrase in ("metric (name, description, unit", "scope (name, version", "data point (attributes"):
         assert phrase in message, (phrase, message)
     assert collector.wait_stored(20)
-    longest = "SELECT max(length(MetricName) + length(MetricDescription) + length(MetricUnit) + length(ScopeName)) "
-    longest += "FROM otel_metrics_gauge WHERE ResourceAttributes['witcert.model'] = {m:String}"
-    assert _count(collector, longest, model) == 0  # nothing was stored for this model
+    stored = "SELECT count() FROM otel_metrics_gauge WHERE ResourceAttributes['witcert.model'] = {m:String}"
+    assert _count(collector, stored, model) == 0
 
 
 # --- 4. connections: idle, slow, oversized; health while saturated -----------------------------
@@ -400,7 +412,7 @@ def test_a_body_over_the_limit_gets_a_413_the_client_can_read(make_collector):
         urllib.request.urlopen(request, timeout=10)
     with error.value:
         assert error.value.code == 413
-        assert "exceeds" in json.loads(error.value.read())["message"]
+        assert "exceeds" in status_pb2.Status.FromString(error.value.read()).message
 
 
 def test_health_answers_while_ingest_is_saturated(make_collector):
@@ -513,7 +525,7 @@ def test_unicode_digits_are_rejected_with_a_reason_never_a_500(make_collector):
         assert status == 400 and json.loads(body)["error"], query
     with socket.create_connection(("127.0.0.1", collector.ports.http), timeout=5) as sock:
         sock.sendall("POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Length: ²\r\n\r\n".encode())
-        assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+        assert sock.recv(4096).split(b"\r\n")[0].endswith(b" 400 Bad Request")
 
 
 def test_timestamps_outside_retention_and_skew_are_rejected_with_the_reason(make_collector):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES: dict[str, str] = {
     "witcert.kernels.cli": "selftest: check the reference and the kernels on this machine",
     "witcert.dashboards.cli": "dashboards: export Grafana provisioning files or push them to a Grafana",
-    "witcert.collector.cli": "collector, query, schema: receive OTLP, store in ClickHouse/chDB, read history",
+    "witcert.collector.cli": "collector, query, schema, dead-letter: receive OTLP, store in ClickHouse/chDB, read it",
     "witcert.demo": "demo: the whole path in one command (generation -> OTLP -> chDB -> summary, dashboard)",
     "witcert.integrations.sglang.cli": "sglang-config: validate the WITCERT_* settings of an SGLang launch",
 }
