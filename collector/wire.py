@@ -176,9 +176,10 @@ def split_request(body: bytes, chunk_bytes: int, max_point_bytes: int) -> Split:
                     else:
                         metric_header.append(view[start:inner_end])
                 data_header: list[memoryview] = []
-                points: list[tuple[int, int]] = []  # (start, end) of each data point field
+                count = 0  # first pass: the data message's own fields, and how many points
                 if data is not None:
-                    _points(body, data[1], data[2], view, data_header, points)
+                    for _ in _point_spans(body, data[1], data[2], data_header):
+                        count += 1
                 header_size = _size(resource_header) + _size(scope_header) + _size(metric_header) + _size(data_header)
                 if header_size > max_point_bytes:
                     largest = max(
@@ -186,11 +187,11 @@ def split_request(body: bytes, chunk_bytes: int, max_point_bytes: int) -> Split:
                         (_size(scope_header), "scope (name, version, attributes, schema URL)"),
                         (_size(metric_header) + _size(data_header), "metric (name, description, unit, metadata)"),
                     )[1]
-                    reject(len(points), f"the fields of a {largest} exceed {max_point_bytes} encoded bytes")
+                    reject(count, f"the fields of a {largest} exceed {max_point_bytes} encoded bytes")
                     continue
                 metric = None
                 run_start = run_end = -1  # the points taken last, contiguous in the request
-                for start, end in points:
+                for start, end in _point_spans(body, data[1], data[2]) if data is not None else ():
                     if end - start > max_point_bytes:
                         reject(1, f"a data point (attributes, exemplars) of more than {max_point_bytes} encoded bytes")
                         continue
@@ -220,12 +221,13 @@ def split_request(body: bytes, chunk_bytes: int, max_point_bytes: int) -> Split:
     return split
 
 
-def _points(
-    body: bytes, start: int, end: int, view: memoryview, header: list[memoryview], points: list[tuple[int, int]]
-) -> None:
-    """The data points of a data message as (start, end), its other fields into ``header``.
+def _point_spans(
+    body: bytes, start: int, end: int, header: list[memoryview] | None = None
+) -> Iterator[tuple[int, int]]:
+    """(start, end) of each data point of a data message; its other fields go to ``header``.
 
-    The loop every point of a large request goes through: one-byte keys and lengths are read inline."""
+    The loop every point of a large request goes through, twice (nothing is kept per point):
+    one-byte keys and lengths are read inline."""
     pos = start
     point_key = (_DATA_POINTS << 3) | _LEN
     while pos < end:
@@ -237,11 +239,12 @@ def _points(
             field_end = value_start + length
             if field_end > end:
                 raise WireError("a data point runs past the end of its message")
-            points.append((pos, field_end))
+            yield pos, field_end
             pos = field_end
             continue
         for _, field_start, _, field_end in _fields(body, pos, end):
-            header.append(view[field_start:field_end])
+            if header is not None:
+                header.append(memoryview(body)[field_start:field_end])
             pos = field_end
             break
 

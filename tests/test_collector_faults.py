@@ -212,6 +212,7 @@ MEMORY_LIMITS = Limits(
     decode_chunk_bytes=256 * 1024,
     max_point_bytes=64 * 1024,
     max_row_bytes_per_request=32 * 1024**2,
+    max_connections=64,
 )
 
 
@@ -272,15 +273,15 @@ def _memory_bound_kib(config: CollectorConfig) -> int:
 
 
 def test_gzip_and_attribute_expansion_stay_within_the_memory_budget(tmp_path):
-    config = CollectorConfig(limits=MEMORY_LIMITS, batch_max_wait_s=0.05)
+    config = CollectorConfig(limits=MEMORY_LIMITS, batch_max_wait_s=0.05, otlp_grpc=None)
     now = time.time_ns()
     with _collector_process(tmp_path, config) as (process, port):
         warm = samples_request("warm", "n", 4, 4, range(4), time_ns=now).SerializeToString()
         assert OtlpHttpClient("127.0.0.1", port).post(warm).status == 200
         time.sleep(0.5)
         baseline = _rss_kib(process.pid, "VmRSS")
-        # Four concurrent gzip requests of 16 MiB once inflated (~280k samples each).
-        big = samples_request("gzip", "n", 32, 32, range(275), time_ns=now).SerializeToString()
+        # Four concurrent gzip requests of 8 MiB once inflated (~140k samples each).
+        big = samples_request("gzip", "n", 32, 32, range(140), time_ns=now).SerializeToString()
         assert len(big) <= MEMORY_LIMITS.max_decompressed_bytes
         compressed = gzip.compress(big, compresslevel=1)
         replies = _concurrently(
@@ -314,6 +315,12 @@ def test_gzip_and_attribute_expansion_stay_within_the_memory_budget(tmp_path):
         assert reply.status == 200
         rejected, message = reply.partial_success()
         assert rejected > 0 and "rows" in message
+        # The costliest shape to decode: empty exponential-histogram points, 2 bytes each on the wire.
+        request = _request("dense")
+        dense = request.resource_metrics[0].scope_metrics[0].metrics.add(name="fault.dense")
+        dense.exponential_histogram.ParseFromString(b"\x0a\x00" * 400_000)
+        reply = OtlpHttpClient("127.0.0.1", port).post(request.SerializeToString(), compress=True)
+        assert reply.status == 200 and reply.partial_success()[0] == 400_000
         peak = _rss_kib(process.pid, "VmHWM")
     growth = peak - baseline
     assert growth <= _memory_bound_kib(config), f"peak RSS grew {growth} KiB over {baseline} KiB"
