@@ -155,19 +155,9 @@ def split_request(body: bytes, chunk_bytes: int, max_point_bytes: int) -> Split:
     for number, _, value_start, end in _fields(body, 0, len(body)):
         if number != _RESOURCE_METRICS:
             continue
-        resource_header, scopes = [], []
-        for inner, start, inner_value, inner_end in _fields(body, value_start, end):
-            if inner == _SCOPE_METRICS:
-                scopes.append((inner_value, inner_end))
-            else:
-                resource_header.append(view[start:inner_end])
+        resource_header, scopes = _children(body, view, value_start, end, _SCOPE_METRICS)
         for scope_start, scope_end in scopes:
-            scope_header, metrics = [], []
-            for inner, start, inner_value, inner_end in _fields(body, scope_start, scope_end):
-                if inner == _METRICS:
-                    metrics.append((inner_value, inner_end))
-                else:
-                    scope_header.append(view[start:inner_end])
+            scope_header, metrics = _children(body, view, scope_start, scope_end, _METRICS)
             for metric_start, metric_end in metrics:
                 metric_header, data = [], None
                 for inner, start, inner_value, inner_end in _fields(body, metric_start, metric_end):
@@ -219,6 +209,19 @@ def split_request(body: bytes, chunk_bytes: int, max_point_bytes: int) -> Split:
                     piece.size += header_size + _NESTING
     flush()
     return split
+
+
+def _children(
+    body: bytes, view: memoryview, start: int, end: int, number: int
+) -> tuple[list[memoryview], list[tuple[int, int]]]:
+    """A message's fields but ``number`` (its header), and the value spans of its ``number`` fields."""
+    header, children = [], []
+    for inner, field_start, value_start, field_end in _fields(body, start, end):
+        if inner == number:
+            children.append((value_start, field_end))
+        else:
+            header.append(view[field_start:field_end])
+    return header, children
 
 
 def _point_spans(

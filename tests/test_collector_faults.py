@@ -268,6 +268,18 @@ def _concurrently(count: int, send) -> list:
     return results
 
 
+def _resource_attributes(request: ExportMetricsServiceRequest, count: int, chars: int) -> None:
+    for index in range(count):
+        attribute = request.resource_metrics[0].resource.attributes.add(key=f"attr{index}")
+        attribute.value.string_value = "x" * chars
+
+
+def _gauge_points(request: ExportMetricsServiceRequest, name: str, now: int, count: int) -> None:
+    gauge = request.resource_metrics[0].scope_metrics[0].metrics.add(name=name).gauge
+    for step in range(count):
+        gauge.data_points.add(time_unix_nano=now + step, as_double=1.0)
+
+
 def _memory_bound_kib(config: CollectorConfig) -> int:
     return config.working_memory_bytes() // 1024
 
@@ -291,26 +303,18 @@ def test_gzip_and_attribute_expansion_stay_within_the_memory_budget(tmp_path):
         assert all(status in (200, 503) for status in statuses), statuses
         # 60 resource attributes of 4,000 characters on 3,000 points: 0.72 GB once copied onto each row.
         request = _request("expand")
-        for index in range(60):
-            attribute = request.resource_metrics[0].resource.attributes.add(key=f"attr{index}")
-            attribute.value.string_value = "x" * 4000
+        _resource_attributes(request, 60, 4000)
         for step in range(3000):
             _add_sample(request, now, step)
-        gauge = request.resource_metrics[0].scope_metrics[0].metrics.add(name="fault.expand").gauge
-        for step in range(3000):
-            gauge.data_points.add(time_unix_nano=now + step, as_double=1.0)
+        _gauge_points(request, "fault.expand", now, 3000)
         reply = OtlpHttpClient("127.0.0.1", port).post(request.SerializeToString())
         assert reply.status == 200
         rejected, message = reply.partial_success()
         assert rejected == 6000 and "attributes" in message
         # Within the caps per attribute set, but copied onto every row: the rows are bounded per request.
         request = _request("rows")
-        for index in range(4):
-            attribute = request.resource_metrics[0].resource.attributes.add(key=f"attr{index}")
-            attribute.value.string_value = "y" * 3500
-        gauge = request.resource_metrics[0].scope_metrics[0].metrics.add(name="fault.rows").gauge
-        for step in range(40_000):
-            gauge.data_points.add(time_unix_nano=now + step, as_double=1.0)
+        _resource_attributes(request, 4, 3500)
+        _gauge_points(request, "fault.rows", now, 40_000)
         reply = OtlpHttpClient("127.0.0.1", port).post(request.SerializeToString())
         assert reply.status == 200
         rejected, message = reply.partial_success()
@@ -702,7 +706,7 @@ def test_a_batch_the_store_refuses_goes_to_dead_letters_and_is_replayed(make_col
 @pytest.mark.slow
 def test_soak_under_load_with_periodic_kills_keeps_rss_bounded(tmp_path):
     """Minutes of streaming with a kill -9 every ~20 s; RSS sampled every 0.5 s into rss.csv."""
-    from test_collector_reliability import _assert_exactly_once, _body
+    from test_collector_reliability import _assert_exactly_once, stream
 
     config = CollectorConfig(limits=MEMORY_LIMITS, batch_max_wait_s=0.2)
     model = _model("soak")
@@ -713,19 +717,9 @@ def test_soak_under_load_with_periodic_kills_keeps_rss_bounded(tmp_path):
     for round_index in range(9):
         with _collector_process(tmp_path, config, store=f"chdb://{tmp_path / 'soak-chdb'}") as (process, port):
             stop = threading.Event()
-
-            def stream(port: int = port, stop: threading.Event = stop) -> None:
-                client = OtlpHttpClient("127.0.0.1", port, timeout_s=5)
-                while not stop.is_set():
-                    index = next(next_index)
-                    try:
-                        reply = client.post(_body(model, index))
-                    except OSError:
-                        return
-                    if reply.status == 200:
-                        acknowledged.add(index)
-
-            threads = [threading.Thread(target=stream) for _ in range(2)]
+            threads = [
+                threading.Thread(target=stream, args=(port, model, next_index, acknowledged, stop)) for _ in range(2)
+            ]
             for thread in threads:
                 thread.start()
             until = time.monotonic() + 15 + 10 * ((round_index * 7919) % 10) / 10

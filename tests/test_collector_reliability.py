@@ -137,6 +137,19 @@ def _wait_drained(port: int, timeout_s: float = 60) -> None:
     raise AssertionError("the restarted collector did not drain its spool")
 
 
+def stream(port: int, model: str, indices, acknowledged: set[int], stop: threading.Event) -> None:
+    """POST numbered requests until ``stop``, noting which were acknowledged (the replay client)."""
+    client = OtlpHttpClient("127.0.0.1", port, timeout_s=5)
+    while not stop.is_set():
+        index = next(indices)
+        try:
+            reply = client.post(_body(model, index))
+        except OSError:
+            return  # the collector died under us: this request was not acknowledged
+        if reply.status == 200:
+            acknowledged.add(index)
+
+
 def _stream_and_kill(tmp_path: Path, rounds: int, stream_s: float) -> None:
     store, spool = tmp_path / "chdb", tmp_path / "spool"
     model = f"kill-{uuid.uuid4().hex[:6]}"
@@ -146,18 +159,7 @@ def _stream_and_kill(tmp_path: Path, rounds: int, stream_s: float) -> None:
         process, port = _start_collector_process(store, spool)
         stop = threading.Event()
 
-        def stream(port: int = port, stop: threading.Event = stop) -> None:
-            client = OtlpHttpClient("127.0.0.1", port, timeout_s=5)
-            while not stop.is_set():
-                index = next(indices)
-                try:
-                    reply = client.post(_body(model, index))
-                except OSError:
-                    return  # the collector died under us: this request was not acknowledged
-                if reply.status == 200:
-                    acknowledged.add(index)
-
-        threads = [threading.Thread(target=stream) for _ in range(2)]
+        threads = [threading.Thread(target=stream, args=(port, model, indices, acknowledged, stop)) for _ in range(2)]
         for thread in threads:
             thread.start()
         time.sleep(stream_s * (0.5 + 0.5 * ((round_index * 7919) % 10) / 10))
