@@ -15,6 +15,7 @@ from pathlib import Path
 
 from witcert.collector.config import DEFAULT_GRPC, DEFAULT_HTTP, CollectorConfig, Retention, default_store_url
 from witcert.collector.queries import REPORTS
+from witcert.errors import one_line
 
 _QUERY_HELP = """reports:
   coverage       coverage over time (covered / certificates at the engine's tau; at --tau from samples)
@@ -197,7 +198,7 @@ def _run_collector(args: argparse.Namespace) -> int:
     try:
         config = _collector_config(args)
     except ValueError as error:  # pydantic's ValidationError is a ValueError
-        print(f"witcert collector: {error}", file=sys.stderr)
+        print(f"witcert collector: {one_line(error)}", file=sys.stderr)
         return 2
     if args.print_config:
         print(config.model_dump_json(indent=2))
@@ -207,7 +208,7 @@ def _run_collector(args: argparse.Namespace) -> int:
     try:
         ports = collector.start()
     except (SpoolBusy, SpoolFormatError, OSError) as error:
-        print(f"witcert collector: {error}", file=sys.stderr)
+        print(f"witcert collector: {one_line(error)}", file=sys.stderr)
         return 1
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -301,7 +302,7 @@ def _run_query(args: argparse.Namespace) -> int:
         else:
             result = _query_store(args.store or default_store_url(), args.report, params)
     except (QueryError, RuntimeError) as error:  # StoreError is a RuntimeError
-        print(f"witcert query: {error}", file=sys.stderr)
+        print(f"witcert query: {one_line(error)}", file=sys.stderr)
         return 1
     assert isinstance(result, QueryResult)
     if args.format == "json":
@@ -388,6 +389,6 @@ def _run_schema(args: argparse.Namespace) -> int:
             for statement in migrations.render_statements(migration, retention):
                 print(statement + ";\n")
     except ValueError as error:
-        print(f"witcert schema: {error}", file=sys.stderr)
+        print(f"witcert schema: {one_line(error)}", file=sys.stderr)
         return 2
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,13 @@ class _PathLock:
         os.close(self._fd)
 
 
+def _refuse_a_folder_holding_a_store(path: Path) -> None:
+    # `witcert demo --data-dir D` keeps its store in D/chdb: naming D would silently create a second, empty store.
+    inner = path / "chdb"
+    if not (path / "metadata").exists() and (inner / "metadata").is_dir():
+        raise StoreError(f"chdb://{path} is the folder that holds a chDB store, not the store: use chdb://{inner}")
+
+
 @dataclass
 class _SharedChdb:
     """One chDB session per data path in this process, shared by every Store opened on the path."""
@@ -194,6 +202,7 @@ class Store:
             return
         if self.location.kind == "chdb":
             assert self.location.path is not None
+            _refuse_a_folder_holding_a_store(self.location.path)
             client, lock = _open_chdb(self.location.path)
             self._chdb_path = self.location.path
         else:
@@ -222,6 +231,15 @@ class Store:
                 database=location.database,
                 secure=location.secure,
             )
+        except OperationalError as error:
+            # The driver's text carries the whole urllib3 retry chain; the operating system's reason is the news.
+            text = str(error)
+            reason = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text) or re.search(r"\((Name or service not known)", text)
+            raise StoreError(
+                f"cannot reach ClickHouse at {location.host}:{location.port} "
+                f"({reason.group(1).strip() if reason else 'no answer'}): is the server up, and are the "
+                "host and port of the store URL right?"
+            ) from error
         except Exception as error:
             raise StoreError(f"cannot open the store {location.describe()}: {error}") from error
 

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from witcert.errors import one_line
+
 from . import alerts
 
 
@@ -80,7 +82,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         written = export(Path(args.directory), receivers=args.notify, **_thresholds(args))
     except (OSError, ValueError) as error:
-        print(f"witcert dashboards export: {error}", file=sys.stderr)
+        print(f"witcert dashboards export: {one_line(error)}", file=sys.stderr)
         return 1
     for path in written:
         print(path)
@@ -105,7 +107,7 @@ def _push(args: argparse.Namespace) -> int:
     try:
         report = push(args.grafana, connection, credential=token or None, receivers=args.notify, **_thresholds(args))
     except (PushError, ValueError) as error:
-        print(f"witcert dashboards push: {error}", file=sys.stderr)
+        print(f"witcert dashboards push: {one_line(error)}", file=sys.stderr)
         return 1
     print(report.summary())
     return 0
@@ -123,15 +125,20 @@ def _serve(args: argparse.Namespace) -> int:
     from .page import PREFIX, routes
 
     try:
+        parse_listen_address(args.listen)
+    except ValueError as error:
+        print(f"witcert dashboards serve: --listen {one_line(error)}, e.g. 127.0.0.1:4318", file=sys.stderr)
+        return 2
+    try:
         config = CollectorConfig(store_url=args.store, otlp_http=args.listen, otlp_grpc=args.otlp_grpc)
     except ValueError as error:
-        print(f"witcert dashboards serve: {error}", file=sys.stderr)
+        print(f"witcert dashboards serve: {one_line(error)}", file=sys.stderr)
         return 2
     collector = Collector(config, extra_routes=routes())
     try:
         ports = collector.start()
     except (StoreError, SpoolBusy, OSError) as error:
-        print(f"witcert dashboards serve: {error}", file=sys.stderr)
+        print(f"witcert dashboards serve: {one_line(error)}", file=sys.stderr)
         return 1
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -141,6 +148,56 @@ def _serve(args: argparse.Namespace) -> int:
     stop.wait()
     collector.stop()
     return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from witcert.collector import tables
+    from witcert.collector.queries import parse_time
+    from witcert.collector.store import Store, parse_store_url
+
+    from .report import ReportRequest, write_report
+
+    start, end = parse_time(args.start), parse_time(args.end)
+    if not start < end:
+        raise ValueError(f"--from ({start.isoformat()}) must be before --to ({end.isoformat()})")
+    if args.tau is not None and not (args.tau > 0 and args.tau != float("inf")):
+        raise ValueError(f"--tau must be a positive number, got {args.tau}")
+    location = parse_store_url(args.store)
+    if location.kind == "chdb" and not (location.path and location.path.exists()):
+        raise ValueError(f"no chDB store at {location.path}: give --store the store a collector or the demo wrote")
+    store = Store(args.store, migrate=False)
+    try:
+        if store.query(f"EXISTS TABLE {tables.SCHEMA_MIGRATIONS}")[1] != [(1,)]:
+            raise ValueError(f"{location.describe()} has no witcert schema: is --store the store a collector wrote?")
+        request = ReportRequest(
+            start, end, args.model or (), args.instance or (), None if args.tau is None else repr(args.tau)
+        )
+        out = write_report(store.query, request, Path(args.out))
+    finally:
+        store.close()
+    print(out)
+    return 0
+
+
+def _register_report(subparsers: argparse._SubParsersAction, default_store: str) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="write the dashboard's panels for a time range as one self-contained HTML file",
+        description="Write the built-in page's panels for a time range and selection into one HTML file: data "
+        "embedded, scripts inlined, no server or network needed to open it (the file to attach to an incident).",
+    )
+    parser.add_argument("--store", default=default_store, help="store URL (default %(default)s)")
+    parser.add_argument("--out", required=True, metavar="FILE.html", help="the HTML file to write")
+    parser.add_argument(
+        "--from", dest="start", default="-6h", help="ISO-8601, 'now' or relative like -6h (default -6h)"
+    )
+    parser.add_argument("--to", dest="end", default="now", help="ISO-8601, 'now' or relative (default now)")
+    parser.add_argument("--model", action="append", help="only this model (repeatable; default: all)")
+    parser.add_argument("--instance", action="append", help="only this instance (repeatable; default: all)")
+    parser.add_argument(
+        "--tau", type=float, default=None, help="tau of the what-if coverage panels (default: the engines' own)"
+    )
+    parser.set_defaults(handler=_report)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -210,3 +267,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--otlp-grpc", default=None, metavar="HOST:PORT", help="also receive OTLP/gRPC here (default: off)"
     )
     serve_parser.set_defaults(handler=_serve)
+    _register_report(subparsers, default_store_url())

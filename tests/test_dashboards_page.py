@@ -19,6 +19,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from datetime import timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from urllib.parse import quote, urlencode
@@ -31,7 +32,7 @@ from test_dashboards import WHAT_IF_TAUS, assert_rows_equal
 from witcert.collector.config import CollectorConfig
 from witcert.collector.service import Collector
 from witcert.collector.store import Store
-from witcert.dashboards import page, panels
+from witcert.dashboards import page, panels, report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -56,7 +57,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     with Collector(config, extra_routes=page.routes()) as collector:
         records = fleet.send(f"http://127.0.0.1:{collector.ports.http}/v1/metrics")
         assert collector.wait_stored(60)
-        yield f"http://127.0.0.1:{collector.ports.http}{page.PREFIX}", fleet.Fleet(records)
+        yield f"http://127.0.0.1:{collector.ports.http}{page.PREFIX}", fleet.Fleet(records), collector
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def _from_json(rows: list[list]) -> list[tuple]:
 
 @pytest.mark.parametrize("key", [spec.key for spec in panels.PANELS if spec.key != "export_lag"])
 def test_every_page_answer_is_the_figure_computed_from_the_certificates(served, key: str):
-    base_url, sent = served
+    base_url, sent, _ = served
     spec = panels.panel(key)
     taus = WHAT_IF_TAUS if "${tau}" in spec.queries[0].sql else (None,)
     for tau in taus:
@@ -104,7 +105,7 @@ def test_every_page_answer_is_the_figure_computed_from_the_certificates(served, 
 
 
 def test_panel_api_narrows_to_the_selection(served):
-    base_url, sent = served
+    base_url, sent, _ = served
     instances = ["node-b", "node-c"]
     status, data = get(f"{base_url}/api/panels/inf_now?{window(instance=','.join(quote(i) for i in instances))}")
     assert status == 200 and data["results"][0]["rows"] == [
@@ -147,16 +148,7 @@ def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
 
 
 def test_page_loads_in_chromium_without_console_messages_and_fills_every_panel(base_url: str, tmp_path: Path):
-    loaded = _chromium("--dump-dom", f"{base_url}/", profile=tmp_path / "profile")
-    # Chromium logs every console message of the page (errors included) as a CONSOLE line.
-    console = [line for line in loaded.stderr.splitlines() if ":CONSOLE" in line]
-    assert console == [], "\n".join(console)
-    dom = loaded.stdout
-    assert re.search(r'<body[^>]*data-state="ready"', dom), "the page never finished loading"
-    states = dict(re.findall(r'id="panel-(\w+)"[^>]*data-state="(\w+)"', dom))
-    assert states == {spec.key: "filled" for spec in panels.PANELS}
-    charts = dom.count("<canvas")
-    assert charts >= sum(spec.kind == "timeseries" for spec in panels.PANELS)
+    dom = assert_loaded_and_filled(_chromium("--dump-dom", f"{base_url}/", profile=tmp_path / "profile"))
     assert dom.count('class="matrix"') == sum(spec.kind == "matrix" for spec in panels.PANELS)
 
     screenshot = tmp_path / "page.png"
@@ -201,11 +193,10 @@ def _json_number(text: str) -> float:
     return float("inf") if text == "+Inf" else float(text)
 
 
-@pytest.mark.parametrize("tau", ["0.05", "0.04"])
-def test_the_numbers_rendered_are_the_exact_figures(served, tmp_path: Path, tau: str):
-    base_url, sent = served
-    loaded = _chromium("--dump-dom", f"{base_url}/?{window(tau=tau)}", profile=tmp_path / "profile")
-    chunks = _panel_chunks(loaded.stdout)
+def assert_rendered_figures(dom: str, sent: fleet.Fleet, tau: str) -> None:
+    """Every stat, interval and heat-map cell the page rendered shows the figure computed from the
+    certificates: its exact value in the element's data attributes, and page.js's formatting of it as text."""
+    chunks = _panel_chunks(dom)
     checked = 0
     for spec in panels.PANELS:
         chunk = chunks[spec.key]
@@ -244,9 +235,41 @@ def test_the_numbers_rendered_are_the_exact_figures(served, tmp_path: Path, tau:
         assert "between " in chunks["coverage_at_tau"]
 
 
+def assert_loaded_and_filled(loaded: subprocess.CompletedProcess) -> str:
+    # Chromium logs every console message of the page (errors included) as a CONSOLE line.
+    console = [line for line in loaded.stderr.splitlines() if ":CONSOLE" in line]
+    assert console == [], "\n".join(console)
+    dom = loaded.stdout
+    assert re.search(r'<body[^>]*data-state="ready"', dom), "the page never finished loading"
+    states = dict(re.findall(r'id="panel-(\w+)"[^>]*data-state="(\w+)"', dom))
+    assert states == {spec.key: "filled" for spec in panels.PANELS}
+    assert dom.count("<canvas") >= sum(spec.kind == "timeseries" for spec in panels.PANELS)
+    return dom
+
+
+@pytest.mark.parametrize("tau", ["0.05", "0.04"])
+def test_the_numbers_rendered_are_the_exact_figures(served, tmp_path: Path, tau: str):
+    base_url, sent, _ = served
+    loaded = _chromium("--dump-dom", f"{base_url}/?{window(tau=tau)}", profile=tmp_path / "profile")
+    assert_rendered_figures(assert_loaded_and_filled(loaded), sent, tau)
+
+
+@pytest.mark.parametrize("tau", ["0.05", "0.04"])
+def test_a_report_is_one_file_that_renders_the_same_figures(served, tmp_path: Path, tau: str):
+    """``witcert report``'s file: opened from disk with no server, it renders every panel with the figures."""
+    _, sent, collector = served
+    request = report.ReportRequest(NOW - timedelta(hours=2), NOW, tau=tau)
+    out = report.write_report(collector.store.query, request, tmp_path / "incident.html")
+    text = out.read_text()
+    assert not re.search(r'(src|href)="(?!data:)', text)  # nothing to fetch: scripts and styles are inlined
+    assert "Copyright" in text and "uPlot" in text  # the vendored licence travels with the inlined code
+    loaded = _chromium("--dump-dom", out.as_uri(), profile=tmp_path / "profile")
+    assert_rendered_figures(assert_loaded_and_filled(loaded), sent, tau)
+
+
 def test_a_link_fixes_the_first_view(served, tmp_path: Path):
     """``witcert demo`` prints a link with the range, tau and selection: the page must start there."""
-    base_url, sent = served
+    base_url, sent, _ = served
     link = window(instance=quote("node-b"), tau="0.01")
     dom = _chromium("--dump-dom", f"{base_url}/?{link}", profile=tmp_path / "profile").stdout
     inf_stat = re.search(r'id="panel-inf_now".*?class="stat"[^>]*>([^<]*)<', dom, re.S)

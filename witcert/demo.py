@@ -14,7 +14,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import quote
@@ -23,6 +23,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from witcert.errors import one_line
 
 ENGINE = "transformers"
 
@@ -44,6 +46,7 @@ class DemoOptions:
     device: str = "auto"
     data_dir: Path | None = None
     listen: str = "127.0.0.1:0"
+    report: Path | None = None  # without serving: the HTML report's path (default: data dir, else temp dir)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class DemoSummary:
     fp16_kv_bytes: int  # the same tokens in an fp16 cache
     dashboard_url: str
     store_url: str
+    report: Path | None = None  # the HTML report written when not serving
 
     @property
     def coverage(self) -> float:
@@ -119,6 +123,7 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
     policy = CachePolicy(mode=options.mode, tau=options.tau, stride=options.stride, seed=options.seed)
     device = _device(options.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
+    parse_listen_address(options.listen)  # a bad address is refused before anything is created
     temporary = options.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="witcert-demo-")) if temporary else Path(options.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -222,6 +227,8 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
             dashboard_url=dashboard,
             store_url=store_url,
         )
+        if not serve:
+            summary = replace(summary, report=_write_report(collector, window, model_name, policy.tau, options))
         print_summary(summary, console)
         if serve:
             # soft_wrap: a URL broken over lines cannot be copied
@@ -232,6 +239,19 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
         collector.stop()
         if temporary:
             shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _write_report(collector, window, model: str, tau: float, options: DemoOptions) -> Path:
+    from witcert.dashboards.report import ReportRequest, write_report
+
+    def run_query(sql: str):
+        result = collector.queries.sql(sql, {})
+        return result.columns, result.rows
+
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    folder = options.data_dir or Path(tempfile.gettempdir())
+    out = options.report or Path(folder) / f"witcert-demo-report-{stamp}.html"
+    return write_report(run_query, ReportRequest(window.start, window.end, [model], (), repr(tau)), out)
 
 
 def _wait_for_interrupt() -> None:
@@ -262,6 +282,8 @@ def print_summary(summary: DemoSummary, console: Console) -> None:
         f"raw samples stored: {summary.sampled_certificates}   KV cache: {summary.kv_bytes:,} bytes vs "
         f"{summary.fp16_kv_bytes:,} in fp16 ({saved:.1%} saved)"
     )
+    if summary.report is not None:
+        console.print(f"report: {summary.report}", soft_wrap=True, markup=False)
     if summary.engine != summary.store:
         console.print("[bold red]the store does not hold what the engine counted: telemetry was lost")
 
@@ -279,12 +301,13 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         data_dir=args.data_dir,
         listen=args.listen,
+        report=args.report,
     )
     console = Console()
     try:
         summary = run_demo(options, console, serve=not args.no_serve)
     except ValueError as error:
-        console.print(f"[red]witcert demo: {error}")
+        Console(stderr=True).print(f"witcert demo: {one_line(error)}", style="red", markup=False, soft_wrap=True)
         return 2
     return 0 if summary.engine == summary.store else 1
 
@@ -325,5 +348,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.listen,
         help="collector HTTP address HOST:PORT (port 0: any free port; default %(default)s)",
     )
-    parser.add_argument("--no-serve", action="store_true", help="exit after the summary instead of serving")
+    parser.add_argument(
+        "--no-serve", action="store_true", help="exit after the summary, writing the dashboard as an HTML report"
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="FILE.html",
+        help="with --no-serve: where the report goes (default: the data dir, else the temporary directory)",
+    )
     parser.set_defaults(handler=_run)

@@ -1,5 +1,7 @@
 // The built-in witcert dashboard: renders the panels the collector describes at api/layout with
 // the rows api/panels/<key> returns (the same SQL as the Grafana dashboard). Read-only.
+// In a report (`witcert report`) the same answers are embedded as window.WITCERT_REPORT: nothing is
+// fetched, the selection is fixed, nothing refreshes.
 "use strict";
 
 const GRID_ROW_PX = 30; // Grafana's grid row height: panel heights are in these units
@@ -10,8 +12,10 @@ const state = { layout: null, charts: [], timer: null, generation: 0 };
 // A link may fix the first view: ?from=&to= (unix seconds), tau, and model / instance as lists in
 // the API's form (items percent-encoded, joined by commas). `witcert demo` prints such a link.
 const LINKED = new URLSearchParams(location.search);
+const EMBEDDED = window.WITCERT_REPORT || null;
 
 function linkedValues(variable) {
+  if (EMBEDDED) return EMBEDDED.selection[variable.name] || null;
   const text = LINKED.get(variable.name);
   if (!text) return null;
   return variable.multi ? text.split(",").map(decodeURIComponent) : [text];
@@ -63,6 +67,7 @@ function colorFor(value, min, max, higherIsBetter) {
 function query() {
   const form = document.getElementById("controls");
   const params = new URLSearchParams();
+  if (EMBEDDED) return params;
   if (form.range.value === "linked") {
     params.set("from", LINKED.get("from"));
     params.set("to", LINKED.get("to"));
@@ -82,6 +87,11 @@ function query() {
 }
 
 async function fetchJson(url) {
+  if (EMBEDDED) {
+    const path = url.split("?")[0];
+    if (path === "api/layout") return EMBEDDED.layout;
+    return EMBEDDED.panels[decodeURIComponent(path.slice("api/panels/".length))];
+  }
   const response = await fetch(url, { headers: { Accept: "application/json" } });
   const body = await response.json();
   if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
@@ -110,6 +120,7 @@ function renderVariables(variables) {
       const option = new Option(value, value, kept.includes(value), kept.includes(value));
       select.append(option);
     }
+    select.disabled = Boolean(EMBEDDED);
     select.addEventListener("change", () => refresh(false));
     label.append(select);
     holder.append(label);
@@ -321,7 +332,8 @@ async function refresh(reloadLayout) {
     if (generation !== state.generation) return;
     const failed = document.querySelectorAll('.panel[data-state="error"]').length;
     status.className = failed ? "error" : "";
-    status.textContent = failed ? `${failed} panel(s) failed` : `Updated ${new Date().toLocaleTimeString()}`;
+    const updated = EMBEDDED ? "" : `Updated ${new Date().toLocaleTimeString()}`;
+    status.textContent = failed ? `${failed} panel(s) failed` : updated;
     document.body.dataset.state = "ready";
   } catch (error) {
     status.className = "error";
@@ -335,15 +347,23 @@ function schedule() {
   if (document.getElementById("controls").auto.checked) state.timer = setInterval(() => refresh(true), REFRESH_MS);
 }
 
-if (LINKED.get("from") && LINKED.get("to")) {
-  const range = document.getElementById("controls").range;
-  range.add(new Option("as linked", "linked", true, true));
-}
-document.getElementById("controls").addEventListener("submit", (event) => {
-  event.preventDefault();
+function start() {
+  if (EMBEDDED) {
+    refresh(true);
+    return;
+  }
+  if (LINKED.get("from") && LINKED.get("to")) {
+    const range = document.getElementById("controls").range;
+    range.add(new Option("as linked", "linked", true, true));
+  }
+  document.getElementById("controls").addEventListener("submit", (event) => {
+    event.preventDefault();
+    refresh(true);
+  });
+  document.getElementById("controls").range.addEventListener("change", () => refresh(true));
+  document.getElementById("controls").auto.addEventListener("change", schedule);
   refresh(true);
-});
-document.getElementById("controls").range.addEventListener("change", () => refresh(true));
-document.getElementById("controls").auto.addEventListener("change", schedule);
-refresh(true);
-schedule();
+  schedule();
+}
+
+start();
