@@ -46,7 +46,7 @@ def test_cli_no_serve_exits_after_the_summary(capsys):
 
 def test_cli_refuses_bad_options(capsys):
     assert main(["demo", "--no-serve", "--steps", "0"]) == 2
-    assert "must be positive" in capsys.readouterr().out
+    assert "must be positive" in capsys.readouterr().err
 
 
 def test_serve_mode_serves_the_dashboard_until_terminated():
