@@ -61,7 +61,9 @@ class CachePolicy(BaseModel):
         False,
         description="dither V too: only the output-error bound's stochastic term uses it, and it costs decode speed",
     )
-    seed: int = Field(0, ge=0, lt=2**64, description="Philox key of the dither streams")
+    seed: int | None = Field(
+        None, ge=0, lt=2**64, description="Philox key of the dither streams; None: drawn at random for each pool"
+    )
     delta_req: float = Field(1e-2, gt=0.0, lt=1.0, description="failure probability of a whole request")
     horizon: int = Field(256, gt=0, description="T: decode steps the union bound covers")
     repair_block: int = Field(16, gt=0, description="tokens per block paged in from the exact backup")

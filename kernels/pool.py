@@ -10,10 +10,14 @@ per-channel part, plus a per-slot part on V (docs/THEORY.md, section 1).
 
 from __future__ import annotations
 
+import os
+import secrets
+
 import torch
 
 from witcert.kernels import reference
 from witcert.kernels.backend import kernels_module, select_path
+from witcert.kernels.outliers import OutlierFile
 
 SIDES: tuple[reference.Kind, reference.Kind] = ("k", "v")
 _WRITE_BLOCK_TOKENS = 32
@@ -43,10 +47,13 @@ def decode_codes(stored: torch.Tensor) -> torch.Tensor:
 class KVPool:
     """A paged, dither-quantized KV cache for ``num_layers`` layers and ``num_slots`` token slots.
 
-    ``outlier_channels``: ``None``, ``[2m]`` (every layer and head), ``[H_kv, 2m]`` (every layer) or
-    ``[L, H_kv, 2m]``; those channels are stored exactly in ``dtype``. ``v_dither=False`` rounds V to
+    ``outlier_channels``: ``None``, ``[2m]`` (every layer and head), ``[H_kv, 2m]`` (every layer),
+    ``[L, H_kv, 2m]``, or an ``OutlierFile`` (or the path of one, ``witcert calibrate``) made for this pool's
+    shape; those channels are stored exactly in ``dtype``. ``v_dither=False`` rounds V to
     nearest: the TV certificate needs dither on K only, and the read path then regenerates half as
-    much. ``page_size`` is the allocation granule of the engine using the pool (slots of one page are
+    much. ``seed`` keys the dither streams; ``None`` (the default) draws a fresh 64-bit seed from the operating
+    system's generator, so no two pools share their rounding offsets (``self.seed`` records it; pass a fixed seed
+    for reproducible tests). ``page_size`` is the allocation granule of the engine using the pool (slots of one page are
     contiguous); the kernels address tokens by slot, so any page size works.
     """
 
@@ -58,8 +65,8 @@ class KVPool:
         head_dim: int,
         *,
         group_size: int = 32,
-        outlier_channels: torch.Tensor | None = None,
-        seed: int = 0,
+        outlier_channels: torch.Tensor | OutlierFile | str | os.PathLike | None = None,
+        seed: int | None = None,
         dither_bits: int = 8,
         v_dither: bool = False,
         page_size: int = 1,
@@ -77,6 +84,9 @@ class KVPool:
         per_call = reference.channels_per_philox_call(dither_bits)  # validates dither_bits
         if group_size % per_call:
             raise ValueError(f"group_size {group_size} must be a multiple of {per_call} for {dither_bits}-bit dither")
+        if seed is None:
+            # Drawn per pool: the certificate's probability is over this draw (docs/THEORY.md, section 2).
+            seed = secrets.randbits(64)
         reference.seed_key(seed)  # validates the seed
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
@@ -88,6 +98,8 @@ class KVPool:
         self.v_dither, self.page_size, self.dtype = v_dither, page_size, dtype
         self.num_groups = head_dim // group_size
 
+        # The calibration file the outlier channels came from, if they came from one.
+        self.outlier_file: OutlierFile | None = None
         channels = self._layer_outlier_channels(outlier_channels)
         self.outlier_channels = channels  # int64 [L, H_kv, 2m]
         self.num_outliers = channels.shape[-1]
@@ -125,9 +137,17 @@ class KVPool:
         self.scales = torch.zeros(*shape, self.num_groups, dtype=torch.float16, device=self.device)
         self.outlier_values = torch.zeros(*shape, self.num_outliers, dtype=dtype, device=self.device)
 
-    def _layer_outlier_channels(self, outlier_channels: torch.Tensor | None) -> torch.Tensor:
+    def _layer_outlier_channels(
+        self, outlier_channels: torch.Tensor | OutlierFile | str | os.PathLike | None
+    ) -> torch.Tensor:
         if outlier_channels is None:
             return torch.empty(self.num_layers, self.kv_heads, 0, dtype=torch.int64, device=self.device)
+        if isinstance(outlier_channels, str | os.PathLike):
+            outlier_channels = OutlierFile.load(outlier_channels)
+        if isinstance(outlier_channels, OutlierFile):
+            outlier_channels.check(num_layers=self.num_layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim)
+            self.outlier_file = outlier_channels
+            outlier_channels = outlier_channels.channels()
         channels = torch.as_tensor(outlier_channels, device=self.device)
         if channels.dim() == 3:
             if channels.shape[0] != self.num_layers:

