@@ -115,6 +115,7 @@ def value_error(values: torch.Tensor, channels: torch.Tensor | None, group_size:
 @dataclass
 class CalibrationResult:
     outliers: OutlierFile
+    order: torch.Tensor  # [L, H_kv, m]: the pairs in the order chosen; the first k are the choice for m = k
     lowest_frequency_score: list[list[float]]  # [L][H_kv]: mean certificate with the lowest-frequency pairs
     calibrated_score: list[list[float]]  # [L][H_kv]: with the chosen pairs
     value_error: dict[str, float]
@@ -196,7 +197,7 @@ def calibrate(
         "k_pairs": sum(value_error(v_all[layer], outliers.channels()[layer], group_size) for layer in range(num_layers))
         / num_layers,
     }
-    return CalibrationResult(outliers, lowest_score, chosen_score, value_errors)
+    return CalibrationResult(outliers, pairs, lowest_score, chosen_score, value_errors)
 
 
 def tokenize_texts(tokenizer, paths: list[Path], tokens: int) -> list[tuple[str, torch.Tensor]]:
@@ -244,7 +245,7 @@ def _run(args: argparse.Namespace) -> int:
             )
         path = result.outliers.save(args.out)
     except (ModelUnavailable, ValueError) as error:
-        console.print(f"[red]witcert calibrate: {error}")
+        console.print(f"[red]witcert calibrate: {error}", soft_wrap=True)
         return 2
     flat_chosen = [x for row in result.calibrated_score for x in row]
     flat_lowest = [x for row in result.lowest_frequency_score for x in row]

@@ -28,10 +28,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from witcert.integrations.telemetry.step_report import StepReport
 from witcert.kernels import KVPool, decode_attention, reference
@@ -55,6 +56,9 @@ class CachePolicy(BaseModel):
     mode: GateMode = GateMode.GATE
     tau: float = Field(0.05, gt=0.0, lt=1.0, description="repair any head whose certificate exceeds this TV bound")
     outlier_pairs: int = Field(0, ge=0, description="m: RoPE pairs per head stored exactly (lowest frequencies)")
+    outlier_file: Path | None = Field(
+        None, description="exact RoPE pairs per (layer, KV head) from `witcert calibrate`; excludes outlier_pairs"
+    )
     group_size: int = Field(32, gt=0, description="channels sharing one fp16 scale")
     dither_bits: Literal[8, 16, 24] = 8
     v_dither: bool = Field(
@@ -68,6 +72,12 @@ class CachePolicy(BaseModel):
     horizon: int = Field(256, gt=0, description="T: decode steps the union bound covers")
     repair_block: int = Field(16, gt=0, description="tokens per block paged in from the exact backup")
     stride: int = Field(1, gt=0, description="the aggregator keeps raw samples every stride-th step")
+
+    @model_validator(mode="after")
+    def _one_outlier_source(self) -> CachePolicy:
+        if self.outlier_file is not None and self.outlier_pairs:
+            raise ValueError("give outlier_pairs (the lowest-frequency pairs) or outlier_file, not both")
+        return self
 
     def delta_step(self, num_layers: int, num_q_heads: int) -> float:
         return reference.delta_step(num_layers, num_q_heads, delta_req=self.delta_req, horizon=self.horizon)

