@@ -1,17 +1,34 @@
-"""End-to-end benchmark of the transformers integration: decode-step time and teacher-forced quality.
+"""End-to-end decode through transformers on one GPU: fp16 against witcert off / observe / gate, and what observe
+costs over off.
 
-Method. A randomly initialised Llama-style model (no weights are downloadable; ``random_model`` with
-init std 0.1) in fp16 on one GPU. For each cache mode the same prompt batch is prefilled, a few decode
-steps warm up (Triton compiles), then ``--steps`` greedy decode steps are timed as a whole with
-``torch.cuda.synchronize`` around the loop (wall clock: it includes the Python of transformers and of
-the cache, which is what a user of this integration pays). Modes: ``fp16`` is transformers'
-``DynamicCache`` with SDPA (the baseline); ``off`` is the witcert int8 pool without certificates;
-``observe`` adds certificates and the aggregator; ``gate`` adds the check against tau (one device sync
-per layer) and repairs. Quality: ``teacher_forced_quality`` on the first sequence, observe and gate,
-against the fp16 cache. Writes ``--out`` (JSON) and prints a Markdown table.
+Model. The architecture of SmolLM2-135M-Instruct (the demo's model: Llama, 30 layers, 9 query / 3 KV heads,
+head_dim 64, hidden 576, vocab 49152, RoPE theta 1e5) with **random weights** (``random_model``): the trained
+weights (540 MB as float32) do not travel to the device machine, and step time does not depend on the values
+(gate mode's repairs do: its fallback counts here describe random weights, not the trained model). ``--arch
+llama8`` is the 8-layer, 32 / 8 heads, head_dim 128 random model of the earlier table (docs/DEMO.md). fp16.
 
-Run: ``python bench/bench_e2e.py --out bench/results/e2e_h200.json`` (GPU; a CPU run works with tiny
-``--layers/--prompt``, for the plumbing only).
+Decode table. For every batch (``--batches``), context (``--contexts``) and mode: the prompt is prefilled (logits
+of the last position only), ``--warmup`` greedy steps run (Triton compiles), then ``--steps`` steps are timed one
+by one between CUDA events (median ms per step; tokens/s = batch / median). Modes: ``fp16`` is transformers'
+``StaticCache`` (preallocated to the context plus the steps) with SDPA, the fair baseline: ``DynamicCache``
+concatenates K/V at every step and flatters any other cache; ``off`` the witcert int8 pool without
+certificates; ``observe`` with certificates and a ``CertificateAggregator`` (stride 32); ``gate`` also repairs
+every head above ``--tau``. No CUDA graphs and no ``torch.compile`` in any mode: the loop is eager
+transformers, whose Python is part of every figure. A mode is cut at ``--budget-s`` of timed steps.
+
+Observe's cost over off, broken down (``--breakdown BATCH CONTEXT``, default 8 and 4096). Variants, each timed
+as above: ``off``; ``certificate`` (the kernel computes certificates, nobody reads them); ``report`` (plus
+``StepReport``'s per-layer copy and one aggregator launch per step); ``stream`` (plus a ``TelemetryStream``
+polled every step, its exporter thread encoding OTLP and discarding it). For each: ms per step, host time per
+step (the forward's wall time with no synchronisation: what the CPU spends issuing it), host-device syncs per
+step (counted by ``torch.cuda.set_sync_debug_mode``), and CUDA allocations per step (``memory_stats``). The
+profiler's top operations of ``off`` and ``stream`` go to ``--profile-dir``.
+
+Run (one device call, about 5 minutes on an H100/H200):
+
+    python bench/bench_e2e.py --out $OUT/e2e.json --profile-dir $OUT
+
+A CPU run with ``--arch tiny --batches 1 --contexts 64 --steps 2`` checks the plumbing only.
 """
 
 from __future__ import annotations
@@ -19,159 +36,341 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
+import sys
 import time
 import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from witcert.integrations.gating import CachePolicy, GateMode
-from witcert.integrations.quality import greedy_continuation, random_model, teacher_forced_quality
 from witcert.integrations.telemetry import CertificateAggregator
+from witcert.integrations.telemetry.exporter import EngineIdentity, TelemetryStream
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 
+ARCHS = {
+    # name: (layers, hidden, q heads, kv heads, head_dim, intermediate, vocab, rope theta)
+    "smollm2": (30, 576, 9, 3, 64, 1536, 49152, 1e5),
+    "llama8": (8, 4096, 32, 8, 128, 8192, 32000, 1e4),
+    "tiny": (2, 128, 4, 2, 32, 256, 512, 1e4),
+}
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+
+def build_model(arch: str, device: torch.device, dtype: torch.dtype):
+    """A randomly initialised model of ``arch``'s shape (init std ``1.6 / sqrt(hidden)``, as ``random_model``)."""
+    layers, hidden, q_heads, kv_heads, head_dim, intermediate, vocab, theta = ARCHS[arch]
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": theta}, tie_word_embeddings=arch == "smollm2",
+        initializer_range=1.6 / hidden**0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).eval()
+    use_witcert_attention(model)
+    return model
 
 
-def time_decode(model, prompt: torch.Tensor, make_cache, steps: int, warmup: int, budget_s: float) -> dict:
-    cache, aggregator = make_cache()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class DiscardingExporter(MetricExporter):
+    """An OTLP metric exporter that encodes each batch as the OTLP/HTTP one does, then drops it: the stream's
+    thread does its work, nothing goes on the wire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
+        encode_metrics(metrics_data).SerializeToString()
+        self.batches += 1
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        return None
+
+
+def time_decode(
+    model,
+    prompt: torch.Tensor,
+    make_cache: Callable[[int], tuple[object, Callable[[], None] | None]],
+    *,
+    steps: int,
+    warmup: int,
+    budget_s: float,
+    count_syncs: bool = False,
+) -> dict:
+    """Prefill, warm up, then time ``steps`` decode steps one by one."""
+    device = prompt.device
+    cache, per_step = make_cache(prompt.shape[1] + warmup + steps + 1)
     kwarg = {cache_kwarg(model): cache}
+    cuda = device.type == "cuda"
     with torch.no_grad():
-        logits = model(input_ids=prompt, use_cache=True, **kwarg).logits[:, -1]
+        logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **kwarg).logits[:, -1]
+        token = logits.argmax(-1, keepdim=True)
         for _ in range(warmup):
-            logits = model(input_ids=logits.argmax(-1, keepdim=True), use_cache=True, **kwarg).logits[:, -1]
-        _sync()
-        start = time.perf_counter()
-        timed = 0
-        # A mode that repairs a lot runs on the torch path: stop it at the budget rather than lose the run.
-        while timed < steps and time.perf_counter() - start < budget_s:
-            logits = model(input_ids=logits.argmax(-1, keepdim=True), use_cache=True, **kwarg).logits[:, -1]
-            timed += 1
-        _sync()
-        elapsed = time.perf_counter() - start
+            token = model(input_ids=token, use_cache=True, **kwarg).logits[:, -1].argmax(-1, keepdim=True)
+            if per_step:
+                per_step()
+        _sync(device)
+        step_ms, host_ms = [], []
+        allocations = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
+        syncs = 0
+        started = time.perf_counter()
+        for _ in range(steps):
+            if time.perf_counter() - started > budget_s:
+                break
+            begin = torch.cuda.Event(enable_timing=True) if cuda else None
+            end = torch.cuda.Event(enable_timing=True) if cuda else None
+            if cuda:
+                begin.record()
+            host = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                if count_syncs and cuda:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    logits = model(input_ids=token, use_cache=True, **kwarg).logits[:, -1]
+                    token = logits.argmax(-1, keepdim=True)
+                    if per_step:
+                        per_step()
+                finally:
+                    if count_syncs and cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+            host_ms.append(1e3 * (time.perf_counter() - host))
+            syncs += sum("synchroniz" in str(w.message) for w in caught)
+            if cuda:
+                end.record()
+                end.synchronize()
+                step_ms.append(begin.elapsed_time(end))
+            else:
+                step_ms.append(host_ms[-1])
+        timed = len(step_ms)
+        if cuda:
+            allocations = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) - allocations
+    median = statistics.median(step_ms)
     result = {
         "steps_timed": timed,
-        "ms_per_step": 1e3 * elapsed / timed,
-        "tokens_per_s": prompt.shape[0] * timed / elapsed,
+        "ms_per_step": median,
+        "ms_per_step_mean": statistics.fmean(step_ms),
+        "tokens_per_s": prompt.shape[0] * 1e3 / median,
+        "host_ms_per_step": statistics.median(host_ms),
+        "allocations_per_step": allocations / timed if cuda else None,
     }
+    if count_syncs:
+        result["syncs_per_step"] = syncs / timed
     if isinstance(cache, WitcertCache):
-        result["kv_bytes_per_token"] = cache.bytes_per_token
-        result["fp16_kv_bytes_per_token"] = cache.fp16_bytes_per_token
         result["fallbacks"] = int(cache.fallback_total)
         result["repaired_bytes"] = int(cache.repaired_bytes_total)
-    if aggregator is not None:
-        snapshot = aggregator.snapshot()
-        samples = int(snapshot.samples.sum())
-        result["certificates"] = samples
-        finite = snapshot.raw_value[snapshot.raw_value == snapshot.raw_value]
-        result["raw_sample_quantiles"] = (
-            {q: float(torch.tensor(finite).quantile(q)) for q in (0.5, 0.9, 0.99)} if finite.size else {}
-        )
-        result["covered_fraction"] = int(snapshot.covered.sum()) / samples
-        result["vacuous"] = int(snapshot.vacuous.sum())
-        result["inf"] = int(snapshot.inf.sum())
+        result["kv_bytes_per_token"] = cache.bytes_per_token
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=1024)
+def witcert_cache(model, mode: GateMode, tau: float, device, *, observer: str = "aggregator"):
+    """A maker of witcert caches; ``observer``: ``none``, ``aggregator`` or ``stream`` (aggregator + exporter)."""
+    config = model.config
+
+    def make(max_len: int):
+        aggregator = stream = None
+        if mode is not GateMode.OFF and observer != "none":
+            aggregator = CertificateAggregator(
+                config.num_hidden_layers, config.num_attention_heads, tau=tau, stride=32, device=device
+            )
+        if observer == "stream" and aggregator is not None:
+            identity = EngineIdentity(model="bench", engine="transformers")
+            stream = TelemetryStream(aggregator, DiscardingExporter(), identity, flush_steps=64, flush_seconds=1.0)
+        cache = WitcertCache(
+            config, CachePolicy(mode=mode, tau=tau, seed=0), max_cache_len=max_len, observer=aggregator
+        )
+        make.streams.append(stream)
+        return cache, (stream.poll if stream is not None else None)
+
+    make.streams = []
+    return make
+
+
+def fp16_static(model, batch: int, device, dtype):
+    def make(max_len: int):
+        return StaticCache(config=model.config, max_cache_len=max_len), None
+
+    return make
+
+
+def profile_step(model, prompt, make_cache, path: Path, steps: int = 8) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    cache, per_step = make_cache(prompt.shape[1] + steps + 4)
+    kwarg = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        token = (
+            model(input_ids=prompt, use_cache=True, logits_to_keep=1, **kwarg).logits[:, -1].argmax(-1, keepdim=True)
+        )
+        for _ in range(2):
+            token = model(input_ids=token, use_cache=True, **kwarg).logits[:, -1].argmax(-1, keepdim=True)
+        _sync(prompt.device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompt.is_cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                token = model(input_ids=token, use_cache=True, **kwarg).logits[:, -1].argmax(-1, keepdim=True)
+                if per_step:
+                    per_step()
+            _sync(prompt.device)
+    sort = "self_cuda_time_total" if prompt.is_cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=30)
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    path.write_text(f"{steps} decode steps\n\nby device time\n{table}\n\nby host time\n{cpu}\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="smollm2")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000])
+    parser.add_argument("--modes", nargs="+", default=["fp16", "off", "observe", "gate"])
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--budget-s", type=float, default=25.0, help="wall-clock cap of each mode's timed loop")
-    parser.add_argument("--quality-steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=8.0, help="cap on each mode's timed steps")
     parser.add_argument("--tau", type=float, default=0.05)
+    parser.add_argument("--breakdown", type=int, nargs=2, default=[8, 4096], metavar=("BATCH", "CONTEXT"))
+    parser.add_argument("--breakdown-arch", choices=sorted(ARCHS), default=None, help="default: --arch")
+    parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.json"))
-    parser.add_argument(
-        "--modes", nargs="+", default=["fp16", *GateMode], help="cache modes to time (fp16 is the baseline)"
-    )
+    parser.add_argument("--profile-dir", type=Path, default=None)
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    model = random_model(
-        layers=args.layers,
-        hidden=args.q_heads * args.head_dim,
-        q_heads=args.q_heads,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        vocab=args.vocab,
-        dtype=dtype,
-        device=device,
-    )
-    use_witcert_attention(model)
-    prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0)).to(
-        device
-    )
-    max_len = args.prompt + args.warmup + args.steps + 1
     report: dict = {
         "method": __doc__,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "shape": {k: getattr(args, k) for k in ("layers", "q_heads", "kv_heads", "head_dim", "batch", "prompt")},
+        "arch": args.arch,
+        "weights": "random (the architecture of the named model; see method)",
         "tau": args.tau,
-        "decode": {},
-        "quality": {},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "decode": [],
+        "breakdown": {},
         "errors": [],
     }
 
-    def witcert(mode: GateMode):
-        def make():
-            aggregator = None
-            if mode is not GateMode.OFF:
-                aggregator = CertificateAggregator(args.layers, args.q_heads, tau=args.tau, stride=32, device=device)
-            policy = CachePolicy(mode=mode, tau=args.tau)
-            return WitcertCache(model.config, policy, max_cache_len=max_len, observer=aggregator), aggregator
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
 
-        return make
+    model = build_model(args.arch, device, dtype)
+    vocab = model.config.vocab_size
+    for context in args.contexts:
+        for batch in args.batches:
+            prompt = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+            makers = {"fp16": fp16_static(model, batch, device, dtype)}
+            makers.update({m.value: witcert_cache(model, m, args.tau, device) for m in GateMode})
+            for name in args.modes:
+                row = {"batch": batch, "context": context, "mode": name}
+                try:
+                    row |= time_decode(
+                        model, prompt, makers[name], steps=args.steps, warmup=args.warmup, budget_s=args.budget_s
+                    )
+                except Exception:  # one failing cell must not lose the others
+                    report["errors"].append(f"{name} B={batch} S={context}: {traceback.format_exc()}")
+                    row["error"] = True
+                report["decode"].append(row)
+                print(json.dumps(row), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            save()
 
-    modes = {"fp16": lambda: (DynamicCache(config=model.config), None)}
-    modes.update({mode.value: witcert(mode) for mode in GateMode})
-    for name, make in modes.items():
-        if name not in args.modes:
+    if not args.no_breakdown:
+        batch, context = args.breakdown
+        arch = args.breakdown_arch or args.arch
+        bmodel = model if arch == args.arch else build_model(arch, device, dtype)
+        prompt = torch.randint(
+            0, bmodel.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(1)
+        ).to(device)
+        variants = {
+            "off": witcert_cache(bmodel, GateMode.OFF, args.tau, device),
+            "certificate": witcert_cache(bmodel, GateMode.OBSERVE, args.tau, device, observer="none"),
+            "report": witcert_cache(bmodel, GateMode.OBSERVE, args.tau, device, observer="aggregator"),
+            "stream": witcert_cache(bmodel, GateMode.OBSERVE, args.tau, device, observer="stream"),
+        }
+        report["breakdown"] = {"arch": arch, "batch": batch, "context": context, "variants": {}}
+        # Interleaved rounds: a drift of the machine's clock or temperature spreads over every variant.
+        for round_ in range(2):
+            for name, make in variants.items():
+                try:
+                    result = time_decode(
+                        bmodel, prompt, make, steps=args.steps, warmup=args.warmup, budget_s=args.budget_s,
+                        count_syncs=True,
+                    )  # fmt: skip
+                except Exception:
+                    report["errors"].append(f"breakdown {name}: {traceback.format_exc()}")
+                    continue
+                for stream in make.streams:
+                    if stream is not None:
+                        stream.close()
+                make.streams.clear()
+                report["breakdown"]["variants"].setdefault(name, []).append(result)
+                print(f"breakdown round {round_} {name}: {json.dumps(result)}", flush=True)
+        save()
+        if args.profile_dir is not None:
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+            for name in ("off", "stream"):
+                try:
+                    profile_step(bmodel, prompt, variants[name], args.profile_dir / f"e2e_profile_{name}.txt")
+                except Exception:
+                    report["errors"].append(f"profile {name}: {traceback.format_exc()}")
+            save()
+
+    print_tables(report)
+    return 1 if report["errors"] else 0
+
+
+def print_tables(report: dict) -> None:
+    print(f"\n{report['device']}, {report['arch']} (random weights), torch {report['torch']}")
+    print("| batch | context | mode | ms/step | tokens/s | vs fp16 | fallbacks |")
+    print("|---|---|---|---|---|---|---|")
+    base = {
+        (r["batch"], r["context"]): r["ms_per_step"]
+        for r in report["decode"]
+        if r["mode"] == "fp16" and "error" not in r
+    }
+    for r in report["decode"]:
+        if "error" in r:
+            print(f"| {r['batch']} | {r['context']} | {r['mode']} | error | | | |")
             continue
-        try:
-            report["decode"][name] = time_decode(model, prompt, make, args.steps, args.warmup, args.budget_s)
-        except Exception:  # a failing mode must not hide the others' figures
-            report["errors"].append(f"decode {name}: {traceback.format_exc()}")
-        print(name, report["decode"].get(name), flush=True)
-    baseline = report["decode"].get("fp16", {}).get("ms_per_step")
-    if baseline:
-        for result in report["decode"].values():
-            result["overhead_vs_fp16"] = result["ms_per_step"] / baseline - 1
-
-    first = prompt[:1, : min(args.prompt, 1024)]
-    continuation = greedy_continuation(model, first, args.quality_steps) if args.quality_steps else None
-    for mode in (GateMode.OBSERVE, GateMode.GATE) if args.quality_steps else ():
-        try:
-            quality = teacher_forced_quality(model, first, continuation, CachePolicy(mode=mode, tau=args.tau))
-            report["quality"][mode.value] = quality.as_dict()
-        except Exception:
-            report["errors"].append(f"quality {mode.value}: {traceback.format_exc()}")
-        print(mode.value, report["quality"].get(mode.value), flush=True)
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print("\n| mode | ms/step | tokens/s | overhead vs fp16 | fallbacks | covered |")
-    print("|---|---|---|---|---|---|")
-    for name, r in report["decode"].items():
+        ref = base.get((r["batch"], r["context"]))
+        versus = f"{r['ms_per_step'] / ref - 1:+.1%}" if ref else ""
         print(
-            f"| {name} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {r.get('overhead_vs_fp16', 0):+.1%} "
-            f"| {r.get('fallbacks', '-')} | {r.get('covered_fraction', '-')} |"
+            f"| {r['batch']} | {r['context']} | {r['mode']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} "
+            f"| {versus} | {r.get('fallbacks', '')} |"
         )
+    breakdown = report.get("breakdown") or {}
+    if breakdown.get("variants"):
+        print(f"\nobserve over off, {breakdown['arch']} batch {breakdown['batch']} context {breakdown['context']}")
+        print("| variant | ms/step (per round) | host ms/step | syncs/step | allocations/step |")
+        print("|---|---|---|---|---|")
+        for name, rounds in breakdown["variants"].items():
+            print(
+                f"| {name} | {' / '.join(format(r['ms_per_step'], '.3f') for r in rounds)} "
+                f"| {' / '.join(format(r['host_ms_per_step'], '.3f') for r in rounds)} "
+                f"| {rounds[-1].get('syncs_per_step')} | {rounds[-1].get('allocations_per_step')} |"
+            )
     for error in report["errors"]:
         print(error)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -79,6 +79,30 @@ class CachePolicy(BaseModel):
             raise ValueError("give outlier_pairs (the lowest-frequency pairs) or outlier_file, not both")
         return self
 
+    def exact_pairs(self) -> int:
+        """``m``: the RoPE pairs per (layer, KV head) stored exactly (reads the outlier file, if one is named)."""
+        if self.outlier_file is None:
+            return self.outlier_pairs
+        from witcert.kernels.outliers import OutlierFile
+
+        return OutlierFile.load(self.outlier_file).m
+
+    def outlier_channels(self, num_layers: int, kv_heads: int, head_dim: int, model: str | None = None):
+        """What ``KVPool(outlier_channels=...)`` takes: the outlier file checked against this shape (and model, if
+        named), the lowest-frequency ``outlier_pairs``, or ``None``."""
+        from witcert.kernels.outliers import OutlierFile, lowest_frequency_pairs
+
+        if self.outlier_file is not None:
+            outliers = OutlierFile.load(self.outlier_file)
+            outliers.check(
+                num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, model=model,
+                source=str(self.outlier_file),
+            )  # fmt: skip
+            return outliers
+        if self.outlier_pairs:
+            return reference.rope_pair_channels(lowest_frequency_pairs(head_dim, self.outlier_pairs), head_dim)
+        return None
+
     def delta_step(self, num_layers: int, num_q_heads: int) -> float:
         return reference.delta_step(num_layers, num_q_heads, delta_req=self.delta_req, horizon=self.horizon)
 

@@ -45,8 +45,7 @@ from witcert.integrations.gating import (
     RepairedStore,
 )
 from witcert.integrations.telemetry.step_report import CertificateObserver, StepReport
-from witcert.kernels import KVPool, reference
-from witcert.kernels.outliers import OutlierFile
+from witcert.kernels import KVPool
 
 ATTENTION_NAME = "witcert"
 
@@ -171,20 +170,9 @@ class WitcertCache(Cache):
         self.fallback_total = self.fallback_total.to(self.device)
         self.repaired_bytes_total = self.repaired_bytes_total.to(self.device)
         num_slots = batch * self.max_cache_len
-        outliers = None
-        if self.policy.outlier_file is not None:
-            outliers = OutlierFile.load(self.policy.outlier_file)
-            outliers.check(
-                num_layers=self.num_layers,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                model=self.model_name,
-                source=str(self.policy.outlier_file),
-            )
-        elif self.policy.outlier_pairs:
-            # The lowest-frequency RoPE pairs are where post-RoPE keys carry their outlier channels.
-            pairs = list(range(head_dim // 2 - self.policy.outlier_pairs, head_dim // 2))
-            outliers = reference.rope_pair_channels(pairs, head_dim).to(self.device)
+        outliers = self.policy.outlier_channels(self.num_layers, kv_heads, head_dim, model=self.model_name)
+        if isinstance(outliers, torch.Tensor):
+            outliers = outliers.to(self.device)
         # The pool stores fp16/bf16 activations; an fp32 model (CPU tests) is cached as fp16.
         self.cache_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float16
         self.pool = KVPool(

@@ -169,3 +169,17 @@ def test_the_seed_is_a_resource_attribute_of_the_telemetry():
     resource = EngineIdentity(model="m", engine="e", dither_seed=2**64 - 1).resource()
     assert resource.attributes[schema.RESOURCE_DITHER_SEED] == "ffffffffffffffff"
     assert schema.RESOURCE_DITHER_SEED not in EngineIdentity(model="m", engine="e").resource().attributes
+
+
+def test_the_sglang_plugin_reads_the_outlier_file_from_its_environment(tmp_path):
+    from witcert.integrations.sglang.capacity import cell_size_bytes
+    from witcert.integrations.sglang.config import load_settings
+
+    path = OutlierFile.lowest_frequency("SmolLM2-135M-Instruct", 30, 3, 64, 4).save(tmp_path / "o.json")
+    policy = load_settings({"WITCERT_OUTLIER_FILE": str(path)}).policy()
+    assert policy.exact_pairs() == 4 and policy.seed is None
+    assert torch.equal(policy.outlier_channels(30, 3, 64).pairs, OutlierFile.load(path).pairs)
+    per_token = cell_size_bytes(num_layers=30, num_kv_heads=3, head_dim=64, group_size=32, outlier_pairs=4)
+    assert per_token == 30 * 2 * 3 * (64 + 2 * 2 + 2 * 8)
+    with pytest.raises(OutlierFileError, match="this cache has 28 layers"):
+        policy.outlier_channels(28, 3, 64)

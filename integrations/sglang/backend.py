@@ -117,6 +117,7 @@ class WitcertAttnBackend(AttentionBackend):
                         tp_rank=parallel.tp_rank,
                         # Each worker process of a server on this host: the port and the GPU tell them apart.
                         instance_key=f"{server_args.port}/{getattr(model_runner, 'gpu_id', '')}",
+                        dither_seed=pool.witcert.seed,
                     ),
                     flush_seconds=self.settings.flush_seconds,
                     first_head=parallel.attn_tp_rank * self.num_q_heads,

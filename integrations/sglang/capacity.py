@@ -9,10 +9,6 @@ used by gate mode lives in host memory and costs no device bytes; the device cop
 
 from __future__ import annotations
 
-import torch
-
-from witcert.kernels import reference
-
 SCALE_BYTES = 2  # fp16 group scales
 OUTLIER_BYTES = 2  # outliers keep the model's fp16/bf16 value
 
@@ -30,11 +26,3 @@ def cell_size_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, group_
 def fp16_cell_size_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
     """What SGLang's default account charges for a 16-bit cache: ``L * 2 * H_kv * D * 2``."""
     return num_layers * 2 * num_kv_heads * head_dim * 2
-
-
-def outlier_channels(head_dim: int, outlier_pairs: int) -> torch.Tensor | None:
-    """The channels kept exact: the ``m`` lowest-frequency RoPE pairs (rotate-half layout), or ``None``."""
-    if outlier_pairs == 0:
-        return None
-    pairs = list(range(head_dim // 2 - outlier_pairs, head_dim // 2))
-    return reference.rope_pair_channels(pairs, head_dim)

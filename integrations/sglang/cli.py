@@ -83,7 +83,7 @@ def _sglang_config(args: argparse.Namespace) -> int:
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
                 group_size=settings.group_size,
-                outlier_pairs=settings.outlier_pairs,
+                outlier_pairs=settings.policy().exact_pairs(),
             )
         except (OSError, KeyError, ValueError) as error:
             print(

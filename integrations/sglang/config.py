@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
@@ -49,7 +50,12 @@ class WitcertSGLangSettings(BaseModel):
     v_dither: bool = Field(
         False, description="dither V as well as K: only the output-error bound's stochastic term uses it; slower decode"
     )
-    seed: int = Field(0, ge=0, lt=2**64, description="Philox key of the dither streams")
+    outlier_file: Path | None = Field(
+        None, description="exact RoPE pairs per (layer, KV head) from `witcert calibrate`; excludes outlier_pairs"
+    )
+    seed: int | None = Field(
+        None, ge=0, lt=2**64, description="Philox key of the dither streams; unset: drawn at random per pool"
+    )
     delta_req: float = Field(1e-2, gt=0.0, lt=1.0, description="failure probability allowed per request")
     horizon: int = Field(256, gt=0, description="decode steps the per-request union bound covers")
     repair_block: int = Field(16, gt=0, description="tokens per block paged in from the exact backup (gate mode)")
@@ -60,6 +66,7 @@ class WitcertSGLangSettings(BaseModel):
             mode=self.mode,
             tau=self.tau,
             outlier_pairs=self.outlier_pairs,
+            outlier_file=self.outlier_file,
             group_size=self.group_size,
             dither_bits=self.dither_bits,
             v_dither=self.v_dither,

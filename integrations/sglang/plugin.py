@@ -64,7 +64,7 @@ def witcert_cell_size(original: Callable[..., int], self: Any, kvc: Any, num_lay
         num_kv_heads=model_config.get_num_kv_heads(parallel.attn_tp_size, parallel.attn_dcp_size),
         head_dim=model_config.head_dim,
         group_size=policy.group_size,
-        outlier_pairs=policy.outlier_pairs,
+        outlier_pairs=policy.exact_pairs(),
     )
     _capacity_accounted = True
     logger.info("witcert KV account: %d bytes per token over %d layers", cell, num_layers)

@@ -19,7 +19,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool, unwrap_write_loc
 
 from witcert.integrations.gating import GateMode, RepairedStore
-from witcert.integrations.sglang.capacity import cell_size_bytes, outlier_channels
+from witcert.integrations.sglang.capacity import cell_size_bytes
 from witcert.integrations.sglang.config import WitcertSGLangSettings, load_settings
 from witcert.kernels import KVPool
 
@@ -80,7 +80,7 @@ class WitcertKVPool(MHATokenToKVPool):
             num_kv_heads=self.head_num,
             head_dim=self.head_dim,
             group_size=self.policy.group_size,
-            outlier_pairs=self.policy.outlier_pairs,
+            outlier_pairs=self.policy.exact_pairs(),
         )
 
     def _create_buffers(self) -> None:
@@ -91,7 +91,7 @@ class WitcertKVPool(MHATokenToKVPool):
                 self.head_num,
                 self.head_dim,
                 group_size=self.policy.group_size,
-                outlier_channels=outlier_channels(self.head_dim, self.policy.outlier_pairs),
+                outlier_channels=self.policy.outlier_channels(self.layer_num, self.head_num, self.head_dim),
                 seed=self.policy.seed,
                 dither_bits=self.policy.dither_bits,
                 v_dither=self.policy.v_dither,

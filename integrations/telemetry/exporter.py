@@ -76,6 +76,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from witcert import __version__
 from witcert.integrations.telemetry import schema
 from witcert.integrations.telemetry.aggregator import AggregatorSnapshot, CertificateAggregator, decode_state
+from witcert.integrations.telemetry.schema import dither_seed_text
 
 _log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class EngineIdentity:
                 schema.RESOURCE_ENGINE: self.engine,
                 schema.RESOURCE_TP_RANK: self.tp_rank,
             }
-            | ({} if self.dither_seed is None else {schema.RESOURCE_DITHER_SEED: schema.dither_seed_text(self.dither_seed)})
+            | ({} if self.dither_seed is None else {schema.RESOURCE_DITHER_SEED: dither_seed_text(self.dither_seed)})
         )
         detected = get_aggregated_resources([host_detector.load()(), OTELResourceDetector()], base)
         if self.instance_id is not None and schema.RESOURCE_INSTANCE not in detected.attributes:
