@@ -433,6 +433,9 @@ def _run_reference(
     lse = torch.full((rows, num_q_heads), -math.inf, dtype=torch.float32, device=device)
     stats = _Certificate.allocate(rows, num_q_heads, device, fill=0.0)
     out.zero_()
+    # Every row's tokens dequantized in one pass (K's dither from the pool's channel table), then attention per row.
+    k_all = pool.dequantize(layer, kv_indices, "k")
+    v_all = pool.dequantize(layer, kv_indices, "v")
     for row in range(rows):
         start, length = int(kv_start[row]), int(kv_len[row])
         if length == 0:
@@ -446,6 +449,8 @@ def _run_reference(
             # Without a certificate the radius is unused; any valid delta serves.
             delta_step=delta_step if certificate else 0.5,
             skip=None if skip is None else skip[slots],
+            k_hat=k_all[start : start + length],
+            v_hat=v_all[start : start + length],
         )
         out[row] = result.out.to(out.dtype)
         lse[row] = result.lse

@@ -310,6 +310,15 @@ class KVPool:
             )
         return xi
 
+    def _channel_table(self, layer: int, side: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The dither ``[H_kv, D]`` of a side whose dither is its per-channel part alone (K), from the pool's table;
+        ``None`` where it is not (V dithered) or the float32 table could differ from ``reference.dither_values``
+        (24-bit fields)."""
+        kind = SIDES[side]
+        if not self.dithered(kind) or reference.has_slot_part(kind) or self.dither_bits > 16:
+            return None
+        return self.channel_dither[layer, side].to(dtype)
+
     def _write_reference(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = slots.to(torch.int64)
         for side, (kind, x) in enumerate(zip(SIDES, (k, v), strict=True)):
@@ -323,6 +332,7 @@ class KVPool:
                 outlier_channels=self.outlier_channels[layer],
                 dither_bits=self.dither_bits,
                 dither=self.dithered(kind),
+                xi=self._channel_table(layer, side, torch.float32),  # instead of regenerating it (a Philox call)
             )
             self.codes[layer, side, slots] = encode_codes(quantized.codes)
             self.scales[layer, side, slots] = quantized.scales
@@ -352,8 +362,18 @@ class KVPool:
     def dequantize(
         self, layer: int, slots: torch.Tensor, kind: reference.Kind, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        """``x_hat`` ``[N, H_kv, D]`` of the stored tokens (reference arithmetic; for tests and repair)."""
-        return self.quantized(layer, slots, kind).dequantize(dtype)
+        """``x_hat`` ``[N, H_kv, D]`` of the stored tokens: ``QuantizedKV.dequantize``'s arithmetic, with K's dither
+        read from the pool's channel table rather than regenerated (the CPU decode path, repair, tests)."""
+        stored = self.quantized(layer, slots, kind)
+        table = self._channel_table(layer, SIDES.index(kind), dtype)
+        if table is None:
+            return stored.dequantize(dtype)
+        scales = stored.scales.to(dtype).repeat_interleave(self.group_size, dim=-1)
+        x_hat = scales * (stored.codes.to(dtype) - table)
+        if self.num_outliers:
+            index = stored.outlier_channels.expand(stored.num_tokens, -1, -1)
+            x_hat = x_hat.scatter(-1, index, stored.outlier_values.to(dtype))
+        return x_hat
 
     def gather(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None, *, validate: bool | None = None

@@ -379,8 +379,12 @@ def quantize(
     outlier_channels: torch.Tensor | None = None,
     dither_bits: int = 24,
     dither: bool = True,
+    xi: torch.Tensor | None = None,
 ) -> QuantizedKV:
     """Subtractive-dither int8 quantization of ``x`` ``[N, H_kv, D]`` (THEORY.md section 1).
+
+    ``xi``: the dither, broadcastable to ``[N, H_kv, D]`` float32, when the caller holds it already (a pool's
+    per-channel table for K); it must equal ``dither_values(...)``, which is computed otherwise.
 
     ``code = round(x / s + xi)`` with the *stored* fp16 scale ``s`` (rounded up so nothing clips);
     outlier channels are kept exactly and left out of their group's amax. ``dither=False`` rounds to
@@ -413,7 +417,9 @@ def quantize(
         raise ValueError("|x| exceeds what an fp16 group scale can cover (max about 8.28e6)")
     scales = fp16_scale_rounded_up(amax)
 
-    if dither:
+    if not dither:
+        xi = torch.zeros((), device=x.device)
+    elif xi is None:
         xi = dither_values(
             seed=seed,
             layer=layer,
@@ -423,8 +429,6 @@ def quantize(
             kind=kind,
             dither_bits=dither_bits,
         )
-    else:
-        xi = torch.zeros((), device=x.device)
     channel_scale = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)
     safe_scale = torch.where(channel_scale > 0, channel_scale, torch.ones((), device=x.device))
     # The stored fp16 scale is the one divided by: any other value breaks |e| <= s/2.
@@ -658,8 +662,13 @@ def decode_attention(
     sm_scale: float | None = None,
     delta_step: float,
     skip: torch.Tensor | None = None,
+    k_hat: torch.Tensor | None = None,
+    v_hat: torch.Tensor | None = None,
 ) -> DecodeResult:
     """One decode step of one sequence over a quantized cache, with the certificate.
+
+    ``k_hat``, ``v_hat``: ``[S, H_kv, D]``, when the caller has dequantized ``k`` and ``v`` already (in the
+    computation dtype); they must equal ``k.dequantize(dtype)`` and ``v.dequantize(dtype)``.
 
     ``q`` ``[H_q, D]`` (GQA when ``H_q > H_kv``; query head ``i`` reads KV head ``i // (H_q / H_kv)``).
     Computes in float64 for float64 queries, otherwise float32. ``skip`` ``[S, H_kv]`` (bool) leaves
@@ -683,8 +692,8 @@ def decode_attention(
     sm_scale = softmax_scale(sm_scale, head_dim)
     kv_head = _kv_head_of_query(num_q_heads, k.num_kv_heads, q.device)
 
-    k_hat = k.dequantize(dtype)[:, kv_head, :]  # [S, H_q, D]
-    v_hat = v.dequantize(dtype)[:, kv_head, :]
+    k_hat = (k.dequantize(dtype) if k_hat is None else k_hat.to(dtype))[:, kv_head, :]  # [S, H_q, D]
+    v_hat = (v.dequantize(dtype) if v_hat is None else v_hat.to(dtype))[:, kv_head, :]
     logits = sm_scale * torch.einsum("hd,shd->hs", q, k_hat)
     if skip is not None:
         if skip.shape != (k.num_tokens, k.num_kv_heads) or skip.dtype != torch.bool:

