@@ -17,6 +17,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -313,8 +314,9 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
         print_summary(summary, console)
         if serve:
             # soft_wrap: a URL broken over lines cannot be copied
-            console.print(f"\ndashboard: [bold]{dashboard}[/bold]\n(Ctrl-C stops the demo)", soft_wrap=True)
-            _wait_for_interrupt()
+            _wait_for_interrupt(
+                lambda: console.print(f"\ndashboard: [bold]{dashboard}[/bold]\n(Ctrl-C stops the demo)", soft_wrap=True)
+            )
         return summary
     finally:
         collector.stop()
@@ -335,10 +337,13 @@ def _write_report(collector, window, model: str, tau: float, options: DemoOption
     return write_report(run_query, ReportRequest(window.start, window.end, [model], (), repr(tau)), out)
 
 
-def _wait_for_interrupt() -> None:
+def _wait_for_interrupt(announce: Callable[[], None]) -> None:
+    """``announce``, then wait for Ctrl-C or SIGTERM. The handler is in place before the announcement: whoever
+    reads it may stop the demo at once."""
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        announce()
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
