@@ -39,3 +39,21 @@ def test_refuses_inputs_it_cannot_compare(model):
         teacher_forced_quality(model, prompt, torch.randint(0, 256, (2, 3)), CachePolicy())
     with pytest.raises(ValueError, match="at least one token"):
         teacher_forced_quality(model, prompt, torch.empty(1, 0, dtype=torch.long), CachePolicy())
+
+
+@pytest.mark.slow
+def test_calibrated_pairs_tighten_real_certificates_more_than_the_lowest_frequencies(trained_model):
+    """The shipped calibration (m = 4, chosen on other texts) against the 4 lowest-frequency pairs, on GPL-3:
+    bench/quality_table.py measures the same at every m and context (docs/QUALITY.md)."""
+    from witcert.demo import SHIPPED_OUTLIERS
+
+    model, tokenizer = trained_model
+    with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as stream:
+        ids = tokenizer(stream.read(), return_tensors="pt")["input_ids"][:, :1032]
+    prompt, forced = ids[:, :1024], ids[:, 1024:]
+    calibrated = CachePolicy(mode=GateMode.OBSERVE, outlier_file=SHIPPED_OUTLIERS["smollm2-135m-instruct"])
+    lowest = CachePolicy(mode=GateMode.OBSERVE, outlier_pairs=4)
+    with_calibrated = teacher_forced_quality(model, prompt, forced, calibrated)
+    with_lowest = teacher_forced_quality(model, prompt, forced, lowest)
+    assert with_calibrated.violations == 0 and with_lowest.violations == 0
+    assert with_calibrated.median_certificate < 0.75 * with_lowest.median_certificate

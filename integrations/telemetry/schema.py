@@ -56,6 +56,7 @@ RESOURCE_DITHER_SEED = "witcert.dither.seed"
 def dither_seed_text(seed: int) -> str:
     return f"{seed:016x}"
 
+
 COUNTER_METRICS: tuple[str, ...] = (
     CERTIFICATES,
     COVERED,
