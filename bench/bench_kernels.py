@@ -11,6 +11,9 @@ replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
 * ``int8_nocert`` / ``int8_cert``: our int8 dithered kernel without / with the certificate
   (``v_dither`` as given: K is always dithered), stage 1 in Gluon where it applies
   (``kernels/gluon_decode.py``); ``triton_nocert`` / ``triton_cert``: the same with the Triton stage 1;
+  ``ws_nocert`` / ``ws_cert``: with the warp-specialised Gluon stage 1 (``kernels/gluon_decode_ws.py``) at its
+  default register cap (three programs per SM), ``ws128_nocert`` / ``ws128_cert`` at a cap of 128 (two per SM, the
+  consumers uncapped);
 * with ``--baseline-stage1 FILE``, ``base_nocert`` / ``base_cert``: the int8 kernel with the Gluon stage 1
   of FILE, another version of ``kernels/gluon_decode.py`` (``git show REV:kernels/gluon_decode.py``), in
   its place; everything else (stage 2, the shared Triton helpers) is this checkout's. Changes smaller
@@ -64,7 +67,10 @@ def _rotations(bytes_per_copy: int) -> int:
     return max(1, min(512, math.ceil(ROTATE_BYTES / bytes_per_copy)))
 
 
-VARIANTS = ("sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert", "triton_nocert", "triton_cert")
+VARIANTS = (
+    "sdpa_cudnn", "fp16_kernel", "int8_nocert", "int8_cert", "triton_nocert", "triton_cert", "ws_nocert", "ws_cert",
+    "ws128_nocert", "ws128_cert",
+)  # fmt: skip
 BASELINE_VARIANTS = ("base_nocert", "base_cert")
 
 
@@ -135,11 +141,13 @@ def bench_decode(
         i = next_copy()
         decode_attention_fp16(q[i], k_cache, v_cache, indptr, indices[i], out=out)
 
-    def int8(certificate: bool, gluon: bool, stage1: ModuleType | None = None):
+    def int8(certificate: bool, gluon: bool, stage1: ModuleType | None = None, ws_maxnreg: int | None = None):
         def run() -> None:
             # Read when the graph is captured: each variant records its own stage 1 (the Gluon one at every
             # size, so that the table shows where the size threshold, LAUNCH.gluon_min_tokens, belongs).
             LAUNCH.gluon, LAUNCH.gluon_min_tokens = gluon, 0
+            LAUNCH.gluon_ws = ws_maxnreg is not None
+            LAUNCH.gluon_ws_maxnreg = ws_maxnreg or LaunchConfig.gluon_ws_maxnreg
             current = importlib.import_module("witcert.kernels.gluon_decode")
             # attention.py imports the Gluon module at each call: the baseline takes its place for this one.
             witcert.kernels.gluon_decode = stage1 or current
@@ -161,6 +169,10 @@ def bench_decode(
         ("triton_cert", int8(True, False), int8_bytes),
         ("base_nocert", int8(False, True, baseline), int8_bytes),
         ("base_cert", int8(True, True, baseline), int8_bytes),
+        ("ws_nocert", int8(False, True, ws_maxnreg=LaunchConfig.gluon_ws_maxnreg), int8_bytes),
+        ("ws_cert", int8(True, True, ws_maxnreg=LaunchConfig.gluon_ws_maxnreg), int8_bytes),
+        ("ws128_nocert", int8(False, True, ws_maxnreg=128), int8_bytes),
+        ("ws128_cert", int8(True, True, ws_maxnreg=128), int8_bytes),
     ):
         if name not in names or (name in BASELINE_VARIANTS and baseline is None):
             continue
@@ -170,6 +182,7 @@ def bench_decode(
         except Exception as error:  # a backend refusing a shape is a result to report, not a crash
             row[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
     LAUNCH.gluon, LAUNCH.gluon_min_tokens = True, LaunchConfig.gluon_min_tokens
+    LAUNCH.gluon_ws, LAUNCH.gluon_ws_maxnreg = LaunchConfig.gluon_ws, LaunchConfig.gluon_ws_maxnreg
     return row
 
 

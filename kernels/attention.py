@@ -240,6 +240,12 @@ def gluon_covers(q_dtype: torch.dtype, pool: KVPool) -> bool:
     )
 
 
+def _runs_gluon_ws(q: torch.Tensor) -> bool:
+    """Whether the Gluon stage 1 that runs is the warp-specialised one: asked for, and on Hopper or newer (its
+    ``setmaxnreg`` and mbarriers)."""
+    return LAUNCH.gluon_ws and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
 def _runs_gluon(q: torch.Tensor, pool: KVPool, kv_indices: torch.Tensor) -> bool:
     """Whether decode's stage 1 runs the Gluon kernel (on the GPU, where it covers the call and is faster)."""
     return (
@@ -308,11 +314,17 @@ def _run_triton(
         math.log(2.0 / delta_step) if certificate else 0.0,
         reference.fp_slack(pool.dither_bits),
     )
+    use_ws = use_gluon and _runs_gluon_ws(q)
     if use_gluon:
-        from witcert.kernels import gluon_decode
+        from witcert.kernels import gluon_decode, gluon_decode_ws
 
         grid = (rows, pool.kv_heads * -(-kv_group // gluon_decode.HEADS), num_kv_splits)
-        gluon_decode.decode_stage1_gluon[grid](
+        if use_ws:
+            kernel, cap = gluon_decode_ws.decode_stage1_ws, LAUNCH.gluon_ws_maxnreg
+        else:
+            kernel = gluon_decode.decode_stage1_gluon
+            cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
+        kernel[grid](
             q,
             pool.codes[layer, 0],
             pool.scales[layer, 0],
@@ -331,11 +343,7 @@ def _run_triton(
             OFFSETS_64=offsets_64,
             NUM_SPLITS=num_kv_splits,
             num_warps=gluon_decode.NUM_WARPS,
-            **(
-                {"maxnreg": cap}
-                if (cap := LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert)
-                else {}
-            ),
+            **({"maxnreg": cap} if cap else {}),
         )
     else:
         kernels.decode_stage1[(rows, head_blocks, num_kv_splits)](
@@ -374,7 +382,13 @@ def _run_triton(
             **({"maxnreg": LAUNCH.maxnreg} if LAUNCH.maxnreg and device.type == "cuda" else {}),
         )
     _merge_splits(part_out, part_lse, part_stats, out, lse, stats)
-    path: Path = "gluon-gpu" if use_gluon else "triton-gpu" if device.type == "cuda" else "triton-interpreter"
+    path: Path = (
+        ("gluon-ws-gpu" if use_ws else "gluon-gpu")
+        if use_gluon
+        else "triton-gpu"
+        if device.type == "cuda"
+        else "triton-interpreter"
+    )
     return _result(out, lse, stats, path)
 
 

@@ -15,9 +15,10 @@ from typing import Literal
 
 import torch
 
-# "gluon-gpu": decode whose stage 1 ran the Gluon kernel (kernels/gluon_decode.py); otherwise "triton-gpu".
+# "gluon-gpu": decode whose stage 1 ran the Gluon kernel (kernels/gluon_decode.py); "gluon-ws-gpu": its
+# warp-specialised form (kernels/gluon_decode_ws.py, LAUNCH.gluon_ws); otherwise "triton-gpu".
 # "sdpa-gpu": extend without the certificate on PyTorch's SDPA over gathered K/V (kernels/extend_sdpa.py).
-Path = Literal["gluon-gpu", "sdpa-gpu", "triton-gpu", "triton-interpreter", "reference"]
+Path = Literal["gluon-gpu", "gluon-ws-gpu", "sdpa-gpu", "triton-gpu", "triton-interpreter", "reference"]
 
 logger = logging.getLogger("witcert.kernels")
 _announced: set[str] = set()

@@ -643,6 +643,124 @@ def _store_out(
 
 
 @gluon.jit
+def _store_split(
+    acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
+    num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
+    PartPRest, PartU, NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
+):  # fmt: skip
+    """The split's partials from the token loop's state: the four warps merged (the stage-2 algebra, with each
+    warp's max in place of its LSE), the row poisoned where a slot was out of range."""
+    max_slot = (num_slots - 1).to(gl.uint32)
+    num_q_heads = NUM_KV_HEADS * KV_GROUP
+    running_sum = gl.convert_layout(gl.sum(running_sum, axis=1), _HEAD_ROW)
+    top = gl.max(running_max, axis=0)  # [8]
+    top_shift = gl.where(top == -_FP32_INF, 0.0, top)
+    warp_weight = gl.exp2(running_max - top_shift[None, :])  # [4, 8]
+    total = gl.sum(running_sum * warp_weight, axis=0)
+    safe_sum = gl.where(total > 0, total, 1.0)
+    slots_ok = row_ok & (gl.max(gl.max(slot_max, axis=1), axis=0) <= max_slot)
+    poison = gl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
+    part_heads = row * num_q_heads + kv_head * KV_GROUP + first_local
+    v_alpha_ptr = VAlpha + kv_head * HEAD_DIM
+    if V_DITHER:
+        # Each thread's sums over its lanes, then over the warps in the split's frame: per group and head.
+        head_sums = ()
+        for i in gl.static_range(8):
+            lanes = gl.convert_layout(gl.sum(dither_sums[i], axis=1), _HEAD_ROW)
+            head_sums = head_sums + (gl.sum(lanes * warp_weight, axis=0),)
+    else:
+        head_sums = ()
+    local_heads = KV_GROUP - first_local
+    _store_out(
+        PartOut, acc0, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 0, V_DITHER,
+        v_alpha_ptr, head_sums,
+    )  # fmt: skip
+    _store_out(
+        PartOut, acc1, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 1, V_DITHER,
+        v_alpha_ptr, head_sums,
+    )  # fmt: skip
+    heads_l: gl.constexpr = total.type.layout
+    local = first_local + gl.arange(0, 8, layout=heads_l)
+    head_ok = local < KV_GROUP
+    part_row = (row * num_q_heads + kv_head * KV_GROUP + local) * NUM_SPLITS + split
+    empty = total == 0
+    gl.store(PartLse + part_row, gl.where(empty, -_FP32_INF, top * _LN2 + gl.log(safe_sum)) + poison, mask=head_ok)
+    if CERTIFICATE:
+        live = running_sum > 0
+        warp_index = gl.arange(0, 4, layout=gl.SliceLayout(1, _HEAD_ROW))[:, None]
+        winner = gl.min(gl.where(live & (running_max == top[None, :]), warp_index, 4), axis=0)
+        loser = live & (warp_index != winner[None, :])
+        b_rest = gl.convert_layout(gl.sum(b_rest, axis=1), _HEAD_ROW)
+        # U_rest's terms take no `0 * inf` rule in the loop (it would spill): a weight that underflowed beside a
+        # radius that overflowed makes the sum NaN, and a NaN stays NaN through every later scaling and sum,
+        # so it is read here as the reference's +inf (``mul_nonneg``).
+        u_rest = inf_where_nan(gl.convert_layout(gl.sum(u_rest, axis=1), _HEAD_ROW))
+        w_rest = gl.convert_layout(gl.sum(w_rest, axis=1), _HEAD_ROW)
+        b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, mul_nonneg(warp_weight, g_max), 0.0), axis=0)
+        u = gl.sum(weighted(warp_weight, u_rest) + gl.where(loser, weighted(warp_weight, u_max), 0.0), axis=0)
+        p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
+        u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
+        gl.store(PartMax + part_row, top * _LN2 + poison, mask=head_ok)
+        gl.store(PartA1 + part_row, (b + u) / safe_sum + poison, mask=head_ok)
+        gl.store(PartB + part_row, b / safe_sum + poison, mask=head_ok)
+        gl.store(PartURest + part_row, u / safe_sum + poison, mask=head_ok)
+        gl.store(PartPRest + part_row, p / safe_sum + poison, mask=head_ok)
+        gl.store(PartU + part_row, u_top + poison, mask=head_ok)
+
+
+@gluon.jit
+def _query_operands(
+    Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP: gl.constexpr, sm_scale, beta, seq_len,
+    log_two_over_delta, CERTIFICATE: gl.constexpr,
+):  # fmt: skip
+    """What the token loop needs of the query: q^T per channel group relabelled like K (``q_ops``), the dither's
+    share per (head, group) and the radius operands in shared memory, the logits' scale and the radius' tail
+    multiplier ``c``."""
+    # q^T per channel group, relabelled like K, and its sums (the dither's offset, the radius operands).
+    q_chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_LOAD)))
+    q_head = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_LOAD)))
+    q_local = first_local + q_head
+    q_ptrs = Q + row * stride_qb + (kv_head * KV_GROUP + q_local)[None, None, :] * stride_qh + q_chan[None, :, None]
+    q_mask = (q_local < KV_GROUP)[None, None, :] & (q_chan < 32)[None, :, None]
+    q_ptrs = q_ptrs.broadcast_to(4, 32, 8)
+    q_mask = q_mask.broadcast_to(4, 32, 8)
+    # A bf16 query enters the MMAs as fp16, scaled per head by a power of two (undone with the softmax scale).
+    if Q.dtype.element_ty == gl.bfloat16:
+        q_scale = _q_scale(q_ptrs, q_mask)
+        logit_scale = gl.convert_layout(sm_scale * _NEG_LOG2E / q_scale, _HEAD_ROW)[:, None, :]
+    else:
+        q_scale = gl.full([4, 8], 1.0, gl.float32, gl.SliceLayout(1, _Q_LOAD))
+        logit_scale = sm_scale * _NEG_LOG2E
+    g0 = _q_group(q_ptrs, q_mask, 0, q_scale)
+    g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
+    g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
+    g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
+    q_ops = (g0[0], g1[0], g2[0], g3[0])
+    # The dither's share of each group, sum(q_g alpha_g) over the MMA operand (_qk_group), and the radius operands
+    # wait in shared memory, read once per tile: kept in registers through the loop they would cost more than
+    # the spills they save.
+    q_alpha_sums = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
+    alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
+    for g in gl.static_range(4):
+        alpha_g = gl.load(alpha_ptrs + g * GROUP_SIZE)[None, :, None]
+        operand = (g0, g1, g2, g3)[g][3]
+        q_alpha_sums.index(g).store(gl.sum(operand * alpha_g, axis=1))
+    radius_ops = (
+        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
+    )
+    if CERTIFICATE:
+        sigma_op, bias_op = _radius_operands((g0, g1, g2, g3), sm_scale * sm_scale / 12.0, sm_scale * beta)
+        radius_ops[0].store(sigma_op)
+        radius_ops[1].store(bias_op)
+    _barrier()
+
+    tail = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_two_over_delta))
+    return q_ops, q_alpha_sums, radius_ops, logit_scale, tail
+
+
+@gluon.jit
 def decode_stage1_gluon(
     Q,
     KCodes,
@@ -687,50 +805,13 @@ def decode_stage1_gluon(
     blocks_per_kv_head: gl.constexpr = (KV_GROUP + HEADS - 1) // HEADS
     kv_head = head_block // blocks_per_kv_head
     first_local = (head_block % blocks_per_kv_head) * HEADS
-    num_q_heads = NUM_KV_HEADS * KV_GROUP
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
-    # q^T per channel group, relabelled like K, and its sums (the dither's offset, the radius operands).
-    q_chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_LOAD)))
-    q_head = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_LOAD)))
-    q_local = first_local + q_head
-    q_ptrs = Q + row * stride_qb + (kv_head * KV_GROUP + q_local)[None, None, :] * stride_qh + q_chan[None, :, None]
-    q_mask = (q_local < KV_GROUP)[None, None, :] & (q_chan < 32)[None, :, None]
-    q_ptrs = q_ptrs.broadcast_to(4, 32, 8)
-    q_mask = q_mask.broadcast_to(4, 32, 8)
-    # A bf16 query enters the MMAs as fp16, scaled per head by a power of two (undone with the softmax scale).
-    if Q.dtype.element_ty == gl.bfloat16:
-        q_scale = _q_scale(q_ptrs, q_mask)
-        logit_scale = gl.convert_layout(sm_scale * _NEG_LOG2E / q_scale, _HEAD_ROW)[:, None, :]
-    else:
-        q_scale = gl.full([4, 8], 1.0, gl.float32, gl.SliceLayout(1, _Q_LOAD))
-        logit_scale = sm_scale * _NEG_LOG2E
-    g0 = _q_group(q_ptrs, q_mask, 0, q_scale)
-    g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
-    g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
-    g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
-    q_ops = (g0[0], g1[0], g2[0], g3[0])
-    # The dither's share of each group, sum(q_g alpha_g) over the MMA operand (_qk_group), and the radius operands
-    # wait in shared memory, read once per tile: kept in registers through the loop they would cost more than
-    # the spills they save.
-    q_alpha_sums = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
-    alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
-    for g in gl.static_range(4):
-        alpha_g = gl.load(alpha_ptrs + g * GROUP_SIZE)[None, :, None]
-        operand = (g0, g1, g2, g3)[g][3]
-        q_alpha_sums.index(g).store(gl.sum(operand * alpha_g, axis=1))
-    radius_ops = (
-        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
-    )
-    if CERTIFICATE:
-        sigma_op, bias_op = _radius_operands((g0, g1, g2, g3), sm_scale * sm_scale / 12.0, sm_scale * beta)
-        radius_ops[0].store(sigma_op)
-        radius_ops[1].store(bias_op)
-    _barrier()
-
-    tail = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_two_over_delta))
+    q_ops, q_alpha_sums, radius_ops, logit_scale, tail = _query_operands(
+        Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,
+        log_two_over_delta, CERTIFICATE,
+    )  # fmt: skip
 
     # Index tensors of each layout the loop loads through.
     warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, _TOKEN_ROW))[:, None] * TOKENS
@@ -759,9 +840,10 @@ def decode_stage1_gluon(
     slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
 
     max_slot = (num_slots - 1).to(gl.uint32)
+    # A dithered V's sums (_dither_sums; unused otherwise) and the counter word 3 of its per-slot Philox call,
+    # kv_head | kind << 31.
+    dither_sums = (running_sum,) * 8
     if V_DITHER:
-        # A dithered V's sums (_dither_sums) and the counter word 3 of its per-slot Philox call, kv_head | kind << 31.
-        dither_sums = (running_sum,) * 8
         v_head_word = kv_head.to(gl.uint32) | (1 << 31)
         tok_lanes = (
             gl.arange(0, 4, layout=gl.SliceLayout(1, _SLOT_LANES))[:, None] * TOKENS
@@ -908,58 +990,8 @@ def decode_stage1_gluon(
         stage = 1 - stage
     async_copy.wait_group(0)  # the copies of the tile past the end (all masked) before the memory is freed
 
-    # Merge the four warps (the stage-2 algebra, with each warp's max in place of its LSE).
-    running_sum = gl.convert_layout(gl.sum(running_sum, axis=1), _HEAD_ROW)
-    top = gl.max(running_max, axis=0)  # [8]
-    top_shift = gl.where(top == -_FP32_INF, 0.0, top)
-    warp_weight = gl.exp2(running_max - top_shift[None, :])  # [4, 8]
-    total = gl.sum(running_sum * warp_weight, axis=0)
-    safe_sum = gl.where(total > 0, total, 1.0)
-    slots_ok = row_ok & (gl.max(gl.max(slot_max, axis=1), axis=0) <= max_slot)
-    poison = gl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
-    part_heads = row * num_q_heads + kv_head * KV_GROUP + first_local
-    v_alpha_ptr = VAlpha + kv_head * HEAD_DIM
-    if V_DITHER:
-        # Each thread's sums over its lanes, then over the warps in the split's frame: per group and head.
-        head_sums = ()
-        for i in gl.static_range(8):
-            lanes = gl.convert_layout(gl.sum(dither_sums[i], axis=1), _HEAD_ROW)
-            head_sums = head_sums + (gl.sum(lanes * warp_weight, axis=0),)
-    else:
-        head_sums = ()
-    local_heads = KV_GROUP - first_local
-    _store_out(
-        PartOut, acc0, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 0, V_DITHER,
-        v_alpha_ptr, head_sums,
+    _store_split(
+        acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
+        num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
+        PartPRest, PartU, NUM_KV_HEADS, KV_GROUP, NUM_SPLITS, CERTIFICATE, V_DITHER,
     )  # fmt: skip
-    _store_out(
-        PartOut, acc1, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 1, V_DITHER,
-        v_alpha_ptr, head_sums,
-    )  # fmt: skip
-    heads_l: gl.constexpr = total.type.layout
-    local = first_local + gl.arange(0, 8, layout=heads_l)
-    head_ok = local < KV_GROUP
-    part_row = (row * num_q_heads + kv_head * KV_GROUP + local) * NUM_SPLITS + split
-    empty = total == 0
-    gl.store(PartLse + part_row, gl.where(empty, -_FP32_INF, top * _LN2 + gl.log(safe_sum)) + poison, mask=head_ok)
-    if CERTIFICATE:
-        live = running_sum > 0
-        warp_index = gl.arange(0, 4, layout=gl.SliceLayout(1, _HEAD_ROW))[:, None]
-        winner = gl.min(gl.where(live & (running_max == top[None, :]), warp_index, 4), axis=0)
-        loser = live & (warp_index != winner[None, :])
-        b_rest = gl.convert_layout(gl.sum(b_rest, axis=1), _HEAD_ROW)
-        # U_rest's terms take no `0 * inf` rule in the loop (it would spill): a weight that underflowed beside a
-        # radius that overflowed makes the sum NaN, and a NaN stays NaN through every later scaling and sum,
-        # so it is read here as the reference's +inf (``mul_nonneg``).
-        u_rest = inf_where_nan(gl.convert_layout(gl.sum(u_rest, axis=1), _HEAD_ROW))
-        w_rest = gl.convert_layout(gl.sum(w_rest, axis=1), _HEAD_ROW)
-        b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, mul_nonneg(warp_weight, g_max), 0.0), axis=0)
-        u = gl.sum(weighted(warp_weight, u_rest) + gl.where(loser, weighted(warp_weight, u_max), 0.0), axis=0)
-        p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
-        u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
-        gl.store(PartMax + part_row, top * _LN2 + poison, mask=head_ok)
-        gl.store(PartA1 + part_row, (b + u) / safe_sum + poison, mask=head_ok)
-        gl.store(PartB + part_row, b / safe_sum + poison, mask=head_ok)
-        gl.store(PartURest + part_row, u / safe_sum + poison, mask=head_ok)
-        gl.store(PartPRest + part_row, p / safe_sum + poison, mask=head_ok)
-        gl.store(PartU + part_row, u_top + poison, mask=head_ok)

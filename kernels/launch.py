@@ -31,6 +31,12 @@ class LaunchConfig:
     # uncapped (two) times within a run's noise of 168.
     gluon_maxnreg: int | None = 168
     gluon_maxnreg_nocert: int | None = 168
+    # The warp-specialised form of the Gluon stage 1 (kernels/gluon_decode_ws.py) in its place, on Hopper: opt-in,
+    # since it is faster without the certificate and slower with it (docs/KERNELS.md, "Warp-specialised stage 1").
+    # Its register cap covers all 8 warps (4 consumers, a producer warpgroup at gluon_decode_ws.PRODUCER_REGS): 80
+    # holds three programs per SM, the consumers at 136 registers.
+    gluon_ws: bool = False
+    gluon_ws_maxnreg: int = 80
     # The tiled extend kernel (triton_extend), with or without the certificate; False runs one decode row per
     # new token, which re-reads the prefix for every new token. 128 rows (16 new tokens of 8 padded heads),
     # 64-key tiles and 8 warps: the fastest tiling with the certificate; the tilings that need more registers
@@ -62,6 +68,8 @@ class LaunchConfig:
         """Gluon stage-1 programs an SM holds: 65536 registers over 128 threads at the cap; uncapped, the
         kernel compiles to 200-255 registers (Triton 3.6-3.9), two programs. Shared memory (about 40 KB
         per program) allows five."""
+        if self.gluon_ws:
+            return 65536 // (256 * self.gluon_ws_maxnreg)
         cap = self.gluon_maxnreg if certificate else self.gluon_maxnreg_nocert
         return 65536 // (128 * cap) if cap else 2
 

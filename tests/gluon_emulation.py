@@ -16,11 +16,20 @@ with its documented exchange of tokens and channels within each pair of tokens a
 emulation checks the kernel's algorithm (tiling, masks, the copies' addressing, online softmax, the
 certificate's folds and merges, the relabelled operands) against the reference; the PTX itself is checked by
 the SASS tests when compiled and by the GPU tests when run.
+
+A warp-specialised kernel (``kernels/gluon_decode_ws.py``) runs its partitions as threads that take turns, one at
+a time: a partition runs until it waits on an mbarrier whose phase has not completed, then hands over to the
+next. An mbarrier is a count of pending arrivals and of completed phases; ``wait(bar, phase)`` passes once the
+phase of that parity has completed, as ``mbarrier.try_wait.parity``. A copy lands at once, so an ``expect`` is just
+its arrival, and ``cp.async.mbarrier.arrive.noinc`` arrives for every thread of the partition that calls it.
+Partitions that all wait with nothing left to run raise (a deadlock).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import types
 from collections.abc import Callable
 
@@ -140,6 +149,127 @@ def _noop(*_: object, **__: object) -> None:
     return None
 
 
+class _Partitions:
+    """A warp-specialised region: partition threads that take turns (one holds the turn at a time), and the
+    mbarriers' state, keyed by each barrier's address in the emulated shared memory."""
+
+    def __init__(self) -> None:
+        self.turn = threading.Condition()
+        self.holder: int | None = None
+        self.order: list[int] = []  # running partitions' threads, in partition order
+        self.waiting: set[int] = set()  # partitions that found their phase incomplete since the last arrival
+        self.local = threading.local()
+        self.barriers: dict[int, list[int]] = {}  # address -> [count, pending arrivals, completed phases]
+
+    @staticmethod
+    def _key(barrier: _Shared) -> int:
+        return barrier.data.__array_interface__["data"][0]
+
+    def init(self, barrier: _Shared, count: object) -> None:
+        self.barriers[self._key(barrier)] = [_index(count), _index(count), 0]
+
+    def arrive(self, barrier: _Shared, count: int) -> None:
+        state = self.barriers[self._key(barrier)]
+        state[1] -= count
+        if state[1] <= 0:
+            state[1] = state[0]
+            state[2] += 1
+        self.waiting.clear()
+
+    def threads(self) -> int:
+        """Threads of the partition running (a cp.async arrival is one per thread)."""
+        return getattr(self.local, "threads", 1)
+
+    def _pass_turn(self, me: int) -> None:
+        position = self.order.index(me)
+        self.holder = self.order[(position + 1) % len(self.order)]
+        self.turn.notify_all()
+
+    def wait(self, barrier: _Shared, phase: object) -> None:
+        parity = _index(phase) & 1
+        me = threading.get_ident()
+        with self.turn:
+            while self.barriers[self._key(barrier)][2] % 2 == parity:
+                if me not in self.order:
+                    raise RuntimeError("gluon_emulation: an mbarrier wait outside a warp-specialised region")
+                self.waiting.add(me)
+                if self.waiting >= set(self.order):
+                    raise RuntimeError("gluon_emulation: every partition waits on an mbarrier (a deadlock)")
+                self._pass_turn(me)
+                while self.holder != me:
+                    self.turn.wait()
+
+    def run(self, functions_and_args: list, warps: list[int]) -> object:
+        """Run the partitions, partition 0 first, each until it waits or ends; partition 0's result."""
+        results: dict[int, object] = {}
+        errors: list[BaseException] = []
+
+        def partition(index: int, function: Callable, args: tuple) -> None:
+            me = threading.get_ident()
+            self.local.threads = 32 * warps[index]
+            with self.turn:
+                while self.holder != me:
+                    self.turn.wait()
+            try:
+                results[index] = function(*args)
+            except BaseException as error:  # re-raised by the caller
+                errors.append(error)
+            finally:
+                with self.turn:
+                    if len(self.order) > 1:
+                        self._pass_turn(me)
+                    self.order.remove(me)
+                    self.waiting.discard(me)
+                    self.turn.notify_all()
+
+        threads = [
+            threading.Thread(target=partition, args=(i, fn, tuple(args)), daemon=True)
+            for i, (fn, args) in enumerate(functions_and_args)
+        ]
+        with self.turn:
+            for thread in threads:
+                thread.start()
+            self.order = [thread.ident for thread in threads]
+            self.waiting.clear()
+            self.holder = self.order[0]
+            self.turn.notify_all()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results[0]
+
+
+_PARTITIONS = _Partitions()
+
+
+def _mbarrier_arrive(barrier: _Shared, *, count: object = 1, pred: object = True, **_: object) -> None:
+    """``mbarrier.arrive``: the partition's one arrival (the compiled code makes one thread arrive after its
+    warps met)."""
+    if _index(pred):
+        _PARTITIONS.arrive(barrier, _index(count))
+
+
+def _mbarrier_expect(barrier: _Shared, *_: object, pred: object = True, **__: object) -> None:
+    if _index(pred):
+        _PARTITIONS.arrive(barrier)  # mbarrier.arrive.expect_tx: the copies it expects have landed
+
+
+def _copies_arrive(barrier: _Shared, increment_count: object = True) -> None:
+    """``cp.async.mbarrier.arrive``: one arrival per thread of the partition, its copies having landed."""
+    _PARTITIONS.arrive(barrier, _PARTITIONS.threads())
+
+
+_MBARRIER = types.SimpleNamespace(
+    init=lambda barrier, count: _PARTITIONS.init(barrier, count),
+    invalidate=lambda barrier: None,
+    wait=lambda barrier, phase, pred=True, deps=(): _PARTITIONS.wait(barrier, phase) if _index(pred) else None,
+    arrive=_mbarrier_arrive,
+    expect=_mbarrier_expect,
+    MBarrierLayout=lambda *_, **__: None,
+)
+
+
 class _Language(types.ModuleType):
     """``gl`` without layouts: Triton's language (looked up when called, so the interpreter's patches apply)
     with the Gluon-only calls emulated."""
@@ -163,7 +293,11 @@ for _layout in (
 ):  # fmt: skip
     setattr(_GL, _layout, _no_layout)
 _ASYNC_COPY = types.SimpleNamespace(
-    async_load=_async_load, async_copy_global_to_shared=_async_load, commit_group=_noop, wait_group=_noop
+    async_load=_async_load,
+    async_copy_global_to_shared=_async_load,
+    commit_group=_noop,
+    wait_group=_noop,
+    mbarrier_arrive=_copies_arrive,
 )
 
 
@@ -183,22 +317,35 @@ def emulated(module: types.ModuleType) -> types.SimpleNamespace:
         tl.block_type.layout = property(_block_layout)
     # Module-level constexprs as plain values, as the interpreter passes a kernel's constexpr arguments: a
     # constexpr plus a tensor would be a constexpr holding a tensor.
-    namespace = {name: _value(value) for name, value in vars(module).items()}
-    namespace.update(gl=_GL, tl=tl, async_copy=_ASYNC_COPY, mma_v2=_mma_v2, _barrier=_noop, _async_load=_async_load)
+    # A kernel that imports another module's Gluon helpers needs that module's names too (the helpers' own).
+    sources = {value.fn.__module__ for value in vars(module).values() if isinstance(value, GluonJITFunction)}
+    namespace = {}
+    for source in sorted(sources - {module.__name__}):
+        namespace.update((name, _value(value)) for name, value in vars(sys.modules[source]).items())
+    namespace.update((name, _value(value)) for name, value in vars(module).items())
+    namespace.update(
+        gl=_GL,
+        tl=tl,
+        async_copy=_ASYNC_COPY,
+        mbarrier=_MBARRIER,
+        mma_v2=_mma_v2,
+        _barrier=_noop,
+        _async_load=_async_load,
+    )
+    default_warps = int(_value(module.NUM_WARPS))
+    _GL.warp_specialize = lambda functions_and_args, worker_num_warps, worker_num_regs=None: _PARTITIONS.run(
+        functions_and_args, [default_warps, *(_index(w) for w in worker_num_warps)]
+    )
     if "g_of" in namespace:
         # g's fast exponential is inline PTX (compiled code only); the interpreter takes its exact route.
         g_of = namespace["g_of"]
         namespace["g_of"] = lambda u, FAST_EXP=False: g_of(u, False)
-    for name, value in vars(module).items():
+    for name, value in list(namespace.items()):
         if isinstance(value, GluonJITFunction):
             original = value.fn
             function: Callable = types.FunctionType(
                 original.__code__, namespace, original.__name__, original.__defaults__, original.__closure__
             )
             namespace[name] = InterpretedFunction(function)
-    return types.SimpleNamespace(
-        decode_stage1_gluon=namespace["decode_stage1_gluon"],
-        HEADS=module.HEADS,
-        NUM_WARPS=module.NUM_WARPS,
-        supports=module.supports,
-    )
+    kernels = {name: namespace[name] for name in ("decode_stage1_gluon", "decode_stage1_ws") if name in namespace}
+    return types.SimpleNamespace(**kernels, HEADS=module.HEADS, NUM_WARPS=module.NUM_WARPS, supports=module.supports)

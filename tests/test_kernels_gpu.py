@@ -40,17 +40,23 @@ DELTA = reference.delta_step(28, 28)
 CUDA = torch.device("cuda")
 
 
-@pytest.fixture(params=[True, False], ids=["gluon", "triton"])
+@pytest.fixture(params=["gluon", "gluon_ws", "triton"])
 def stage1(request):
-    """Run the test with the Gluon stage 1 wherever it applies (whatever the size), then with the Triton one."""
-    saved = (LAUNCH.gluon, LAUNCH.gluon_min_tokens)
-    LAUNCH.gluon, LAUNCH.gluon_min_tokens = request.param, 0
+    """Run the test with the Gluon stage 1 wherever it applies (whatever the size), with its warp-specialised form
+    (kernels/gluon_decode_ws.py, Hopper only), then with the Triton one."""
+    if request.param == "gluon_ws" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the warp-specialised stage 1 needs Hopper")
+    saved = (LAUNCH.gluon, LAUNCH.gluon_min_tokens, LAUNCH.gluon_ws)
+    LAUNCH.gluon, LAUNCH.gluon_min_tokens = request.param != "triton", 0
+    LAUNCH.gluon_ws = request.param == "gluon_ws"
     yield request.param
-    LAUNCH.gluon, LAUNCH.gluon_min_tokens = saved
+    LAUNCH.gluon, LAUNCH.gluon_min_tokens, LAUNCH.gluon_ws = saved
 
 
 def _expected_path(q: torch.Tensor, pool: KVPool) -> str:
-    return "gluon-gpu" if LAUNCH.gluon and gluon_supports(q, pool) else "triton-gpu"
+    if LAUNCH.gluon and gluon_supports(q, pool):
+        return "gluon-ws-gpu" if LAUNCH.gluon_ws else "gluon-gpu"
+    return "triton-gpu"
 
 
 def _query(rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -371,7 +377,8 @@ def test_an_overflowing_radius_gives_an_infinite_certificate_on_gpu(stage1, zero
 def test_a_non_finite_value_written_unvalidated_poisons_only_its_readers_on_gpu(value, side, stage1):
     """The write kernel compiled gives a NaN in K or V a NaN scale (an inf one already is): the reading row's
     output is not finite, nor, for K, its certificate; the other row matches the reference."""
-    assert non_finite_token_readers(CUDA, value, side, delta=DELTA) == ("gluon-gpu" if stage1 else "triton-gpu")
+    expected = {"gluon": "gluon-gpu", "gluon_ws": "gluon-ws-gpu", "triton": "triton-gpu"}[stage1]
+    assert non_finite_token_readers(CUDA, value, side, delta=DELTA) == expected
 
 
 @pytest.mark.parametrize("magnitude", [1e5, 1e-6])
