@@ -643,6 +643,37 @@ def _store_out(
 
 
 @gluon.jit
+def _certificate_tile(
+    logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops, tail,
+    fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+):  # fmt: skip
+    """One tile's certificate terms: the radius from its K scales, its argmax held apart, the rest sums ``B``,
+    ``U``, ``P`` rescaled to the new max with the tile's terms and the token that stops being held apart."""
+    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
+    index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
+    index = gl.convert_layout(index, _MMA)
+    tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
+    is_arg = index == tile_arg[:, None, :]
+    u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
+    g_arg = g_of(u_arg, True)
+    rest = (~is_arg) & token_ok[:, :, None]
+    # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
+    # the max moved into this tile, else this tile's argmax (weight weight_arg).
+    weight_arg = _exp2(tile_max - shift)
+    moved = tile_max > running_max
+    fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
+    fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
+    fold_w = gl.where(moved, alpha, weight_arg)
+    tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))
+    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
+    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u)
+    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, fold_w)
+    u_max = gl.where(moved, u_arg, u_max)
+    g_max = gl.where(moved, g_arg, g_max)
+    return b_rest, u_rest, w_rest, u_max, g_max
+
+
+@gluon.jit
 def _store_split(
     acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
     num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
@@ -961,29 +992,10 @@ def decode_stage1_gluon(
         # The certificate after PV, so that none of V's registers is live through it.
         if CERTIFICATE:
             # The radius from the scales read again: nothing of it stays live through QK and PV.
-            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
-            index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
-            index = gl.convert_layout(index, _MMA)
-            tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
-            is_arg = index == tile_arg[:, None, :]
-            u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
-            g_arg = g_of(u_arg, True)
-            rest = (~is_arg) & token_ok[:, :, None]
-            # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
-            # the max moved into this tile, else this tile's argmax (weight weight_arg).
-            weight_arg = _exp2(tile_max - shift)
-            moved = tile_max > running_max
-            fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
-            fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
-            fold_w = gl.where(moved, alpha, weight_arg)
-            tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))
-            b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
-            u_rest = _rescaled_fold(
-                u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u
-            )
-            w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, fold_w)
-            u_max = gl.where(moved, u_arg, u_max)
-            g_max = gl.where(moved, g_arg, g_max)
+            b_rest, u_rest, w_rest, u_max, g_max = _certificate_tile(
+                logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
+                tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+            )  # fmt: skip
 
         running_max = new_max
         slots = next_slots

@@ -49,15 +49,14 @@ from witcert.kernels.gluon_decode import (
     HEADS,
     NUM_WARPS,
     TOKENS,
+    _certificate_tile,
     _dither_sums,
     _exp2,
     _k_group_scales,
     _pv_tokens,
     _qk_group,
     _query_operands,
-    _radius,
     _rescaled,
-    _rescaled_fold,
     _slot_row,
     _store_split,
     _thread_max,
@@ -65,12 +64,9 @@ from witcert.kernels.gluon_decode import (
     supports,
 )
 from witcert.kernels.triton_kernels import (
-    g_of,
-    inf_where_nan,
     slot_dither,
     slot_word,
     split_range,
-    weighted,
 )
 
 __all__ = ["HEADS", "NUM_WARPS", "PRODUCER_REGS", "STAGES", "supports"]
@@ -229,27 +225,10 @@ def _consume(
             dither_sums = _dither_sums(dither_sums, weights, tile_v_scales, v_beta, rest_alpha)
 
         if CERTIFICATE:
-            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
-            index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
-            index = gl.convert_layout(index, _MMA)
-            tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
-            is_arg = index == tile_arg[:, None, :]
-            u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
-            g_arg = g_of(u_arg, True)
-            rest = (~is_arg) & token_ok[:, :, None]
-            weight_arg = _exp2(tile_max - shift)
-            moved = tile_max > running_max
-            fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
-            fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
-            fold_w = gl.where(moved, alpha, weight_arg)
-            tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))
-            b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
-            u_rest = _rescaled_fold(
-                u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u
-            )
-            w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, fold_w)
-            u_max = gl.where(moved, u_arg, u_max)
-            g_max = gl.where(moved, g_arg, g_max)
+            b_rest, u_rest, w_rest, u_max, g_max = _certificate_tile(
+                logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
+                tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+            )  # fmt: skip
         # The stage is free once the four warps have read it (the arrive waits for them).
         mbarrier.arrive(empty.index(stage), count=1)
 

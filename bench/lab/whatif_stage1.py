@@ -32,7 +32,9 @@ in the kernel's place. CI does not test them. None runs outside a benchmark:
   logits is held apart, each choice a sound certificate): each thread holds apart its own running argmax
   among its four tokens per tile, so the loop's certificate needs no lane exchange (the real kernel finds
   each warp's tile argmax and its radius by two reductions over the lanes, 12 shuffles per tile); the held
-  tokens meet once, after the loop;
+  tokens meet once, after the loop. It edits the loop and the split's stores together, which are now separate
+  functions (``_certificate_tile``, ``_store_split``): it applies to the kernel before that, ``--source`` a copy of
+  ``git show 9e7d36d:kernels/gluon_decode.py``;
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
   and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
@@ -53,31 +55,29 @@ SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "gluon_decode.py"
 
 _BLOCKRADIUS = [
     (
-        "            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n",
-        "            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n"
-        "            u_block_max = gl.max(radius, axis=1)\n"
-        "            g_block_max = g_of(u_block_max, True)\n",
+        "    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n",
+        "    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n"
+        "    u_block_max = gl.max(radius, axis=1)\n"
+        "    g_block_max = g_of(u_block_max, True)\n",
     ),
     (
-        "            u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)\n            g_arg = g_of(u_arg, True)\n",
-        "            u_arg = u_block_max\n            g_arg = g_block_max\n",
+        "    u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)\n    g_arg = g_of(u_arg, True)\n",
+        "    u_arg = u_block_max\n    g_arg = g_block_max\n",
     ),
     (
-        "            tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))\n"
-        "            b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)\n"
-        "            u_rest = _rescaled_fold(\n"
-        "                u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u\n"
-        "            )\n"
-        "            w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), "
-        "fold_row, fold_w)\n",
-        "            tile_w = _thread_sum(gl.where(rest, weights, 0.0))\n"
-        "            rest_block: gl.constexpr = gl.SliceLayout(1, tile_w.type.layout)\n"
-        "            g_block = gl.convert_layout(g_arg, rest_block)[:, None, :]\n"
-        "            u_block = gl.convert_layout(u_arg, rest_block)[:, None, :]\n"
-        "            b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), weighted(tile_w, g_block), "
-        "fold_row, fold_b)\n"
-        "            u_rest = _rescaled_fold(u_rest * rest_alpha, tile_w * u_block, fold_row, fold_u)\n"
-        "            w_rest = _rescaled_fold(w_rest * rest_alpha, tile_w, fold_row, fold_w)\n",
+        "    tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))\n"
+        "    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)\n"
+        "    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), "
+        "fold_row, fold_u)\n"
+        "    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, "
+        "fold_w)\n",
+        "    tile_w = _thread_sum(gl.where(rest, weights, 0.0))\n"
+        "    rest_block: gl.constexpr = gl.SliceLayout(1, tile_w.type.layout)\n"
+        "    g_block = gl.convert_layout(g_arg, rest_block)[:, None, :]\n"
+        "    u_block = gl.convert_layout(u_arg, rest_block)[:, None, :]\n"
+        "    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), weighted(tile_w, g_block), fold_row, fold_b)\n"
+        "    u_rest = _rescaled_fold(u_rest * rest_alpha, tile_w * u_block, fold_row, fold_u)\n"
+        "    w_rest = _rescaled_fold(w_rest * rest_alpha, tile_w, fold_row, fold_w)\n",
     ),
 ]
 
@@ -385,10 +385,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", help=f"one of {', '.join(VARIANTS)}, or several joined by + (qkahead+threadarg)")
     parser.add_argument("--output", type=Path, required=True, help="where to write the edited stage 1")
+    parser.add_argument("--source", type=Path, default=SOURCE, help="the stage 1 to edit (default: the current one; "
+                        "threadarg applies to `git show 9e7d36d:kernels/gluon_decode.py`, before the certificate's "
+                        "tile and the split's stores became functions)")  # fmt: skip
     args = parser.parse_args()
     if unknown := [part for part in args.variant.split("+") if part not in VARIANTS]:
         parser.error(f"unknown what-if {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    args.output.write_text(variant(args.variant, SOURCE.read_text()))
+    args.output.write_text(variant(args.variant, args.source.read_text()))
     print(f"wrote {args.output} ({args.variant}); time it with bench/bench_kernels.py --baseline-stage1 {args.output}")
 
 
