@@ -643,6 +643,23 @@ def _store_out(
 
 
 @gluon.jit
+def _loop_start():
+    """The token loop's state before the first tile: per warp the running max and output accumulators; per thread
+    over its own tokens (``_thread_sum``, reduced over the lanes once per split) the sum of the weights and the
+    rest sums of B, U and P (tokens other than the running argmax; A1 = B + U), folded argmax terms going to lane
+    row 0 (``fold_row``); u and g at each warp's running argmax; the running maximum of the slots."""
+    running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
+    acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
+    acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
+    running_sum = _thread_sum(gl.zeros([4, 32, 8], gl.float32, _MMA))
+    rest_l: gl.constexpr = running_sum.type.layout
+    fold_row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None] == 0
+    u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
+    slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
+    return running_max, acc0, acc1, running_sum, running_sum, running_sum, running_sum, u_max, u_max, slot_max, fold_row
+
+
+@gluon.jit
 def _certificate_tile(
     logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops, tail,
     fold_row, b_rest, u_rest, w_rest, u_max, g_max,
@@ -853,23 +870,8 @@ def decode_stage1_gluon(
         + gl.arange(0, 16, layout=gl.SliceLayout(0, v_tok_l))[None, :]
     )
 
-    running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
-    acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    # The sum of the weights and the rest sums (tokens other than the running argmax) of B, U and P, kept
-    # per thread over its own tokens (_thread_sum) and reduced over the lanes once per split; A1 = B + U.
-    # Folded argmax terms go to lane row 0.
-    running_sum = _thread_sum(gl.zeros([4, 32, 8], gl.float32, _MMA))
-    b_rest = running_sum
-    u_rest = running_sum
-    w_rest = running_sum
+    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = _loop_start()
     rest_l: gl.constexpr = running_sum.type.layout
-    fold_row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None] == 0
-    # u at each warp's running argmax, with its g (kept, not recomputed per tile).
-    u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    g_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
-
     max_slot = (num_slots - 1).to(gl.uint32)
     # A dithered V's sums (_dither_sums; unused otherwise) and the counter word 3 of its per-slot Philox call,
     # kv_head | kind << 31.

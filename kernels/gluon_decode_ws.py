@@ -35,7 +35,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from witcert.kernels.gluon_decode import (
     _FP32_INF,
-    _HEAD_ROW,
     _MMA,
     _P_SCALE,
     _ROW_MAJOR,
@@ -53,6 +52,7 @@ from witcert.kernels.gluon_decode import (
     _dither_sums,
     _exp2,
     _k_group_scales,
+    _loop_start,
     _pv_tokens,
     _qk_group,
     _query_operands,
@@ -155,18 +155,8 @@ def _consume(
     warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, _TOKEN_ROW))[:, None] * TOKENS
     tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :]  # [4, 32]
 
-    running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
-    acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    running_sum = _thread_sum(gl.zeros([4, 32, 8], gl.float32, _MMA))
-    b_rest = running_sum
-    u_rest = running_sum
-    w_rest = running_sum
+    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = _loop_start()
     rest_l: gl.constexpr = running_sum.type.layout
-    fold_row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None] == 0
-    u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    g_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
     max_slot = (num_slots - 1).to(gl.uint32)
     dither_sums = (running_sum,) * 8
     if V_DITHER:
