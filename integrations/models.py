@@ -155,7 +155,7 @@ def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progres
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{spec.key}-", dir=root))
     try:
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # the GGUF reader's own bar (tensor by tensor) still shows
         try:
             from transformers import AutoModelForCausalLM
 
@@ -179,7 +179,11 @@ def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progres
         plain.tie_weights()
         if progress is not None:
             progress("dequantise", 2, stages)
-        plain.save_pretrained(staging, safe_serialization=True)
+        hf_logging.disable_progress_bar()
+        try:
+            plain.save_pretrained(staging, safe_serialization=True)
+        finally:
+            hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(staging)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
         manifest = {
@@ -211,9 +215,14 @@ def load_trained(
 ):
     """``(model, tokenizer)`` of the converted copy (converting first if needed), in eval mode on ``device``."""
     from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     directory = converted(spec, root=root, progress=progress)
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    hf_logging.disable_progress_bar()  # a bar for a one-second load is noise in the demo's output
+    try:
+        model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    finally:
+        hf_logging.enable_progress_bar()
     model.config.name_or_path = spec.name  # the name outlier files are checked against, not the cache path
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return model, tokenizer
@@ -224,4 +233,4 @@ def model_spec(name: str) -> TrainedModel:
         return MODELS[name.lower()]
     except KeyError:
         known = ", ".join(spec.name for spec in MODELS.values())
-        raise ValueError(f"unknown model {name!r}: known trained models are {known} (or `random`)") from None
+        raise ValueError(f"unknown model {name!r}: the trained models witcert knows are {known}") from None

@@ -163,13 +163,15 @@ def _load_model(options: DemoOptions, device: torch.device, dtype: torch.dtype, 
     tasks: dict[str, int] = {}
 
     def report(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            if not progress.live.is_started:
+        if stage == "checksum":
+            if not tasks:
                 console.print(f"first run: converting {spec.filename} into the model cache (once)")
                 progress.start()
-            label = {"checksum": "checking SHA-256", "dequantise": "dequantising and saving"}.get(stage, stage)
-            tasks[stage] = progress.add_task(label, total=total)
-        progress.update(tasks[stage], completed=done, total=total)
+                tasks[stage] = progress.add_task("checking SHA-256", total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+        elif stage == "dequantise" and done == 0:
+            progress.stop()  # the GGUF reader shows its own bar, tensor by tensor
+            console.print("dequantising the GGUF tensors and saving a float32 safetensors copy")
 
     try:
         model, tokenizer = load_trained(spec, device=device, dtype=dtype, progress=report)
