@@ -205,7 +205,11 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
         raise ValueError("steps, prompt tokens and batch must be positive")
     device = _device(options.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    parse_listen_address(options.listen)  # a bad address is refused before anything is created
+    # Bad arguments are refused before anything is created or loaded.
+    parse_listen_address(options.listen)
+    CachePolicy(mode=options.mode, tau=options.tau, stride=options.stride)
+    if options.data_dir is not None:
+        Path(options.data_dir).mkdir(parents=True, exist_ok=True)
     # Drawn here rather than by the pool so the telemetry's resource can name it before the pool exists.
     dither_seed = options.seed if options.seed is not None else secrets.randbits(63)
     loaded = _load_model(options, device, dtype, console)  # before the collector: a missing package stops here
