@@ -122,7 +122,10 @@ def time_decode(
     with torch.no_grad():
         logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **kwarg).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
+        warm_start = time.perf_counter()
         for _ in range(warmup):
+            if time.perf_counter() - warm_start > budget_s:  # a repair-bound mode: its first steps are the figure
+                break
             token = model(input_ids=token, use_cache=True, **kwarg).logits[:, -1].argmax(-1, keepdim=True)
             if per_step:
                 per_step()
@@ -271,32 +274,11 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 
-    model = build_model(args.arch, device, dtype)
-    vocab = model.config.vocab_size
-    for context in args.contexts:
-        for batch in args.batches:
-            prompt = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
-            makers = {"fp16": fp16_static(model, batch, device, dtype)}
-            makers.update({m.value: witcert_cache(model, m, args.tau, device) for m in GateMode})
-            for name in args.modes:
-                row = {"batch": batch, "context": context, "mode": name}
-                try:
-                    row |= time_decode(
-                        model, prompt, makers[name], steps=args.steps, warmup=args.warmup, budget_s=args.budget_s
-                    )
-                except Exception:  # one failing cell must not lose the others
-                    report["errors"].append(f"{name} B={batch} S={context}: {traceback.format_exc()}")
-                    row["error"] = True
-                report["decode"].append(row)
-                print(json.dumps(row), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            save()
-
+    # The breakdown first: it is the figure a cut-short run must not lose.
     if not args.no_breakdown:
         batch, context = args.breakdown
         arch = args.breakdown_arch or args.arch
-        bmodel = model if arch == args.arch else build_model(arch, device, dtype)
+        bmodel = build_model(arch, device, dtype)
         prompt = torch.randint(
             0, bmodel.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(1)
         ).to(device)
@@ -332,6 +314,31 @@ def main() -> int:
                     profile_step(bmodel, prompt, variants[name], args.profile_dir / f"e2e_profile_{name}.txt")
                 except Exception:
                     report["errors"].append(f"profile {name}: {traceback.format_exc()}")
+            save()
+        del bmodel, variants
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    model = build_model(args.arch, device, dtype)
+    vocab = model.config.vocab_size
+    for context in args.contexts:
+        for batch in args.batches:
+            prompt = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+            makers = {"fp16": fp16_static(model, batch, device, dtype)}
+            makers.update({m.value: witcert_cache(model, m, args.tau, device) for m in GateMode})
+            for name in args.modes:
+                row = {"batch": batch, "context": context, "mode": name}
+                try:
+                    row |= time_decode(
+                        model, prompt, makers[name], steps=args.steps, warmup=args.warmup, budget_s=args.budget_s
+                    )
+                except Exception:  # one failing cell must not lose the others
+                    report["errors"].append(f"{name} B={batch} S={context}: {traceback.format_exc()}")
+                    row["error"] = True
+                report["decode"].append(row)
+                print(json.dumps(row), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             save()
 
     print_tables(report)
