@@ -20,7 +20,8 @@ HEAVY = ("torch", "triton", "transformers", "chdb")
 
 
 def witcert(*arguments: str, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONSAFEPATH="1", TMPDIR=str(tmp_path))
+    # TRITON_INTERPRET=0: a CPU decode takes the reference path, as in tests/test_demo.py.
+    env = dict(os.environ, PYTHONSAFEPATH="1", TMPDIR=str(tmp_path), TRITON_INTERPRET="0")
     return subprocess.run(
         [sys.executable, "-m", "witcert.cli", *arguments],
         capture_output=True,
@@ -128,8 +129,8 @@ def test_an_unknown_option_shows_the_commands_own_usage(tmp_path: Path):
 def test_demo_no_serve_writes_a_report_and_report_writes_another(tmp_path: Path):
     data = tmp_path / "data"
     demo = witcert(
-        "demo", "--no-serve", "--data-dir", str(data), "--steps", "4", "--prompt-tokens", "16", "--layers", "1",
-        tmp_path=tmp_path,
+        "demo", "--no-serve", "--model", "random", "--data-dir", str(data), "--steps", "4", "--prompt-tokens", "16",
+        "--layers", "1", tmp_path=tmp_path,
     )  # fmt: skip
     assert demo.returncode == 0, demo.stderr
     printed = re.search(r"report: (\S+\.html)", " ".join(demo.stdout.split()))
