@@ -258,6 +258,7 @@ class KVPool:
                 OUTLIERS_PAD=max(2, _pow2(self.num_outliers)),
                 KIND_BIT=side,
                 DITHER=self.dithered(SIDES[side]),
+                INTERPRETED=self.device.type != "cuda",
                 **constants,
             )
 

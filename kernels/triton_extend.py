@@ -150,7 +150,7 @@ def extend_stage1(
             radius = tl.where(visible, radius_from_terms(tail[:, None], sigma_sq, bias), 0.0)
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
-                BLOCK_N, not INTERPRETED,
+                BLOCK_N, INTERPRETED,
             )  # fmt: skip
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])

@@ -220,13 +220,18 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def tile_rest_sums(weights, radius, g_u, is_arg):
+def tile_rest_sums(weights, radius, g_u, is_arg, INTERPRETED: tl.constexpr):
     """``(u_arg, B, U, P)`` of one tile (sums over axis 1): the radius of its argmax (``is_arg``), and the sums
     of ``p g(u)``, ``p u`` and ``p`` over its other tokens. Masked-off tokens need no mask: their weight and
-    radius are 0."""
+    radius are 0. Compiled, one four-operand reduction; interpreted, four sums (the interpreter runs a
+    reduction's combine function once per element in Python)."""
     rest_weights = tl.where(is_arg, 0.0, weights)
     terms = (tl.where(is_arg, radius, 0.0), weights * tl.where(is_arg, 0.0, g_u), rest_weights * radius, rest_weights)
-    u_arg, tile_b, tile_u, tile_w = tl.reduce(terms, 1, _add4)
+    if INTERPRETED:
+        u_arg, tile_b = tl.sum(terms[0], axis=1), tl.sum(terms[1], axis=1)
+        tile_u, tile_w = tl.sum(terms[2], axis=1), tl.sum(terms[3], axis=1)
+    else:
+        u_arg, tile_b, tile_u, tile_w = tl.reduce(terms, 1, _add4)
     return u_arg, inf_where_nan(tile_b), inf_where_nan(tile_u), tile_w
 
 
@@ -275,15 +280,17 @@ def radius_from_terms(tail, sigma_sq, bias):
 @triton.jit
 def certificate_tile(
     logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
-    N: tl.constexpr, FAST_EXP: tl.constexpr,
+    N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """The certificate's running state ``(B_rest, U_rest, P_rest, u_max, g_max)`` per row after one tile of
-    ``N`` tokens: the tile's rest sums, and the argmax held apart (THEORY.md section 3)."""
+    ``N`` tokens: the tile's rest sums, and the argmax held apart (THEORY.md section 3). Compiled, ``g``'s
+    exponential is the fast one (``g_of``; the interpreter cannot run its inline asm)."""
+    FAST_EXP: tl.constexpr = not INTERPRETED
     # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
     index = tl.arange(0, N)[None, :]
     tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, N), axis=1)
     is_arg = index == tile_arg[:, None]
-    u_arg, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, g_of(radius, FAST_EXP), is_arg)
+    u_arg, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, g_of(radius, FAST_EXP), is_arg, INTERPRETED)
     g_arg = g_of(u_arg, FAST_EXP)
     weight_arg = tl.exp(tile_max - shift)
     # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
@@ -395,6 +402,7 @@ def write_kernel(
     OUTLIERS_PAD: tl.constexpr,
     NUM_OUTLIERS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Quantize ``BLOCK_T`` tokens, all their KV heads, into their slots, bit-identical to ``reference.quantize``.
 
@@ -424,7 +432,14 @@ def write_kernel(
         magnitude = tl.where(is_outlier, 0.0, magnitude)
     # A NaN makes its group's amax, and so its scale, NaN (tl.max would skip it, as max.f32 does): every reader
     # of the token then sees NaN, never finite codes standing in for it. (An inf already gives an inf scale.)
-    amax = tl.reduce(tl.reshape(magnitude, (rows, num_groups, GROUP_SIZE)), 2, _max_propagating_nan)
+    grouped = tl.reshape(magnitude, (rows, num_groups, GROUP_SIZE))
+    if INTERPRETED:
+        # The interpreter runs a reduction's combine function once per element in Python: a plain max, then NaN
+        # where the group holds one.
+        has_nan = tl.max((grouped != grouped).to(tl.int32), axis=2) > 0
+        amax = tl.where(has_nan, FP32_INF - FP32_INF, tl.max(grouped, axis=2))
+    else:
+        amax = tl.reduce(grouped, 2, _max_propagating_nan)
     # The smallest fp16 s with s * 126.5 >= amax, the reference's scale (s * 126.5 is exact). amax times
     # RN(1 / 126.5) is within two fp32 ulps of amax / 126.5, so its fp16 rounding is s or the fp16 value
     # below it, never above: one step up while too small gives s (checked for every fp16 and bf16 amax).
@@ -679,8 +694,6 @@ def decode_stage1(
     head_ok = local_heads < KV_GROUP
     heads = kv_head * KV_GROUP + local_heads
     num_q_heads = NUM_KV_HEADS * KV_GROUP
-    # The interpreter cannot run inline asm.
-    FAST_EXP: tl.constexpr = not INTERPRETED
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
@@ -781,7 +794,7 @@ def decode_stage1(
             radius = tl.where(token_ok[None, :], radius_from_terms(tail, sigma_sq, bias), 0.0)
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
-                BLOCK_N, FAST_EXP,
+                BLOCK_N, INTERPRETED,
             )  # fmt: skip
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])

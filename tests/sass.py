@@ -169,20 +169,14 @@ def profile(cubin: bytes) -> SassProfile:
     )
 
 
-def main() -> None:
-    """``python tests/sass.py KERNEL``: the token loop's opcode counts of both certificate variants,
-    for fp16 and bf16 queries, as JSON keyed ``"<q dtype> <certificate>"``, and for the Gluon stage 1 also with
-    a dithered V and fp16 queries (``"fp16 <certificate> vdither"``). Run in a fresh process: under
-    ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions are interpreted, and a Gluon kernel cannot
-    call them."""
-    import json
-    import sys
-
-    kernel_name = sys.argv[1] if len(sys.argv) > 1 else "gluon"
+def loop_counts(kernel_name: str) -> dict[str, dict[str, int]]:
+    """The token loop's opcode counts of ``kernel_name`` (``"gluon"`` or ``"extend"``): both certificate variants
+    for fp16 and bf16 queries, keyed ``"<q dtype> <certificate>"``, and for the Gluon stage 1 also with a dithered
+    V and fp16 queries (``"fp16 <certificate> vdither"``)."""
     variants = [(q_dtype, certificate, False) for q_dtype in ("fp16", "bf16") for certificate in (True, False)]
     if kernel_name == "gluon":
         variants += [("fp16", certificate, True) for certificate in (True, False)]
-    counts = {
+    return {
         f"{q_dtype} {certificate}" + (" vdither" if v_dither else ""): dict(
             profile(
                 compile_cubin(kernel_name=kernel_name, certificate=certificate, q_dtype=q_dtype, v_dither=v_dither)
@@ -190,7 +184,16 @@ def main() -> None:
         )
         for q_dtype, certificate, v_dither in variants
     }
-    print(json.dumps(counts))
+
+
+def main() -> None:
+    """``python tests/sass.py KERNEL...``: ``loop_counts`` of each kernel named, as one JSON line keyed by kernel.
+    Run in a fresh process: under ``TRITON_INTERPRET=1`` (CPU tests) Triton's library functions are interpreted,
+    and a Gluon kernel cannot call them."""
+    import json
+    import sys
+
+    print(json.dumps({kernel_name: loop_counts(kernel_name) for kernel_name in sys.argv[1:] or ["gluon"]}))
 
 
 if __name__ == "__main__":

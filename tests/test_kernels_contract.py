@@ -201,7 +201,7 @@ def test_bytes_per_token_counts_codes_scales_and_outliers():
 
 @pytest.mark.parametrize(
     ("kv_heads", "group", "page_size", "v_dither", "splits"),
-    [(2, 7, 1, True, 3), (2, 7, 16, False, 4), (4, 1, 16, True, 2)],
+    [(2, 7, 1, True, 3), (2, 7, 16, False, 4), (2, 1, 16, True, 2)],
     ids=["gqa7-page1-vdither", "gqa7-page16-vnearest", "mha-page16"],
 )
 def test_decode_matches_reference(kv_heads, group, page_size, v_dither, splits):
@@ -433,7 +433,7 @@ def test_extend_over_a_quantized_prefix_is_causal_and_matches_reference(per_row_
 
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "splits", "certificate"),
-    [(14, 2, None, False), (14, 2, 3, False), (2, 2, 2, False), (14, 2, 2, True), (2, 2, None, True)],
+    [(14, 2, 3, False), (2, 2, None, False), (14, 2, 2, True)],
 )
 def test_tiled_extend_matches_reference(tiled_extend, q_heads, kv_heads, splits, certificate):
     """The tiled kernel (one K/V read per block of new tokens): a sequence of several blocks, one without a

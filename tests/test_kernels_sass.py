@@ -21,18 +21,20 @@ import pytest
 pytest.importorskip("triton.experimental.gluon")
 
 
-def _loop_opcodes(kernel: str) -> dict[str, dict[str, int]]:
-    """``tests/sass.py KERNEL``'s opcode counts of the compiled token loop, per variant."""
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict[str, dict[str, int]]]:
+    """``tests/sass.py``'s opcode counts of the compiled token loops of the Gluon stage 1 and the tiled extend, per
+    variant (one process compiles both)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    command = [sys.executable, str(Path(__file__).with_name("sass.py")), kernel]
+    command = [sys.executable, str(Path(__file__).with_name("sass.py")), "gluon", "extend"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def loop_opcodes() -> dict[str, dict[str, int]]:
-    return _loop_opcodes("gluon")
+def loop_opcodes(compiled) -> dict[str, dict[str, int]]:
+    return compiled["gluon"]
 
 
 @pytest.mark.parametrize("q_dtype", ["fp16", "bf16"])
@@ -100,9 +102,9 @@ def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
     assert not gluon_decode.supports(**{**shape, "outliers": 2}, rows=1)
 
 
-def test_tiled_extend_compiles_for_sm90_on_the_tensor_cores():
+def test_tiled_extend_compiles_for_sm90_on_the_tensor_cores(compiled):
     """CI has no GPU to run the tiled extend kernel on; it compiles it, with and without the certificate, for
     the H200's architecture and checks that its dots reach the tensor cores (wgmma or mma.sync)."""
-    for variant, loop in _loop_opcodes("extend").items():
+    for variant, loop in compiled["extend"].items():
         # Four groups of two QK dots and three PV dots per tile, each at least one tensor-core instruction.
         assert loop.get("HGMMA", 0) + loop.get("HMMA", 0) >= 11, variant

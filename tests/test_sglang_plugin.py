@@ -665,6 +665,7 @@ def test_gate_mode_output_is_attention_over_mixed_keys_with_a_shared_prefix(monk
     _assert_relative(out, _mixed_oracle(runner, layer, q, tuple(n + 1 for n in next_case.seq_lens)))
 
 
+@pytest.mark.usefixtures("reference_kernels")  # what is streamed, not how the kernel computes it
 def test_each_tp_rank_streams_its_own_aggregator_to_the_collector(monkeypatch, collector):
     monkeypatch.setenv("WITCERT_COLLECTOR_ENDPOINT", f"http://127.0.0.1:{collector.ports.http}/v1/metrics")
     models = set()
@@ -692,6 +693,7 @@ def test_each_tp_rank_streams_its_own_aggregator_to_the_collector(monkeypatch, c
     assert rows == [(0, 2 * local, 0, local - 1), (1, 2 * local, local, HEADS - 1)]
 
 
+@pytest.mark.usefixtures("reference_kernels")  # what is reported, not how the kernel computes it
 @pytest.mark.parametrize(("mode", "tau"), [("observe", "0.05"), ("gate", "1e-4")])
 def test_one_aggregator_launch_per_decode_step_with_the_per_layer_counts(monkeypatch, mode, tau):
     monkeypatch.setenv("WITCERT_TAU", tau)
