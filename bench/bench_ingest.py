@@ -1,13 +1,14 @@
 """Sustained ingest into chDB through a real ``witcert collector`` process.
 
 Method: the collector runs as its own process (fresh chDB store and spool, OTLP/HTTP only); this
-process is the load. Two loads, one after the other, each for ``--seconds``:
+process is the load. Two loads, one after the other on the same collector, each for ``--seconds``:
 
 - ``replay``: ``--clients`` threads POST prebuilt protobuf requests (the engine's sample shape:
   one gauge point per layer x head x step, ``--layers`` x ``--heads`` x ``--steps`` per request),
   each a fresh body (distinct steps), over keep-alive connections;
 - ``sdk``: the opentelemetry-sdk OTLP/HTTP exporter exports hand-built ``MetricsData`` of the same
-  shape (how the engine side sends samples), one exporter per client thread.
+  shape (how the engine side sends samples), one exporter per client process (the SDK encodes
+  each point in Python: threads of one process would measure the client's GIL).
 
 Rates count certificate samples *stored*: from the first request to the moment the collector's
 spool is empty again (``/readyz``), so a drain that falls behind lowers the figure. Latency is per
@@ -16,7 +17,13 @@ samples are read from ``system.parts`` after ``OPTIMIZE ... FINAL`` (log-normal 
 one +inf in 997, 50 steps/s, 32 layers x 32 heads), for the typed samples table
 and, for comparison, for the same samples inserted as raw exporter-format rows into
 ``otel_metrics_gauge`` (with the insert time of each path): the measurement behind sending samples
-straight to the typed table. Results: ``bench/results/ingest.json`` and ``ingest.md``.
+straight to the typed table. Peak RSS is the collector process's ``VmHWM`` after both loads.
+
+``--repeats N`` runs everything N times on fresh collectors and reports medians (the machine may be
+shared). ``--baseline-pythonpath DIR`` interleaves each repeat with a second collector whose
+``witcert`` package is imported from DIR (another checkout: ``git worktree add``, then a folder
+holding a ``witcert`` package built from it), labelled ``--baseline-label``: the same loads, the
+same machine, the same minutes. Results: ``bench/results/<--output>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -42,16 +49,26 @@ from witcert.integrations.telemetry import schema as ts
 RESULTS = Path(__file__).parent / "results"
 
 
-def start_collector(root: Path) -> tuple[subprocess.Popen, int]:
+def start_collector(root: Path, pythonpath: str | None = None) -> tuple[subprocess.Popen, int]:
     command = [sys.executable, "-P", "-m", "witcert.cli", "collector", "--store", f"chdb://{root / 'chdb'}"]
     command += ["--spool", str(root / "spool"), "--otlp-http", "127.0.0.1:0", "--no-grpc", "--log-level", "WARNING"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert process.stdout is not None
     for line in process.stdout:
         match = re.search(r"OTLP/HTTP [\d.]+:(\d+)", line)
         if match:
             return process, int(match.group(1))
     raise RuntimeError("the collector did not start")
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -129,7 +146,21 @@ def run_replay(port: int, pid: int, args: argparse.Namespace, model: str) -> dic
     return drive(port, pid, load, client, args, bytes_per_request=statistics.mean(len(b) for b in bodies[:10]))
 
 
-def run_sdk(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
+def sdk_client(
+    port: int,
+    layers: int,
+    heads: int,
+    steps: int,
+    gzip: bool,
+    model: str,
+    first: int,
+    stride: int,
+    start_at: float,
+    seconds: float,
+) -> tuple[list[float], int, int]:
+    """One SDK client process: build a request's points (the engine's cost, not timed), export it
+    with the opentelemetry-sdk OTLP/HTTP exporter, repeat until ``seconds`` after ``start_at``.
+    Returns request latencies, acknowledged points and refused requests."""
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.sdk.metrics.export import (
@@ -146,9 +177,16 @@ def run_sdk(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
 
     resource = Resource({ts.RESOURCE_SERVICE_NAME: "bench", ts.RESOURCE_INSTANCE: "sdk", ts.RESOURCE_MODEL: model})
     scope = InstrumentationScope(ts.INSTRUMENTATION_SCOPE)
-    load = Load(args.layers * args.heads * args.steps)
-
-    def metrics_data(index: int) -> MetricsData:
+    exporter = OTLPMetricExporter(
+        endpoint=f"http://127.0.0.1:{port}/v1/metrics",
+        compression=Compression.Gzip if gzip else Compression.NoCompression,
+    )
+    latencies: list[float] = []
+    acked = refused = 0
+    time.sleep(max(0.0, start_at - time.time()))
+    deadline = time.perf_counter() + seconds
+    index = first
+    while time.perf_counter() < deadline:
         now = time.time_ns()
         points = [
             NumberDataPoint(
@@ -157,39 +195,69 @@ def run_sdk(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
                 time_unix_nano=now,
                 value=((layer + head + step) % 100) / 1000,
             )
-            for step in range(index * args.steps, (index + 1) * args.steps)
-            for layer in range(args.layers)
-            for head in range(args.heads)
+            for step in range(index * steps, (index + 1) * steps)
+            for layer in range(layers)
+            for head in range(heads)
         ]
         metric = Metric(ts.CERTIFICATE_SAMPLE, "", "1", Gauge(points))
-        return MetricsData([ResourceMetrics(resource, [ScopeMetrics(scope, [metric], None)], None)])
+        data = MetricsData([ResourceMetrics(resource, [ScopeMetrics(scope, [metric], None)], None)])
+        began = time.perf_counter()
+        result = exporter.export(data)
+        latencies.append(time.perf_counter() - began)
+        if result is MetricExportResult.SUCCESS:
+            acked += len(points)
+        else:
+            refused += 1
+        index += stride
+    exporter.shutdown()
+    return latencies, acked, refused
 
-    def client(deadline: float) -> None:
-        exporter = OTLPMetricExporter(
-            endpoint=f"http://127.0.0.1:{port}/v1/metrics",
-            compression=Compression.Gzip if args.gzip else Compression.NoCompression,
+
+def run_sdk(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
+    """``--clients`` SDK client processes: the SDK encodes every point in Python, so client threads
+    of one process would measure the client's GIL, not the collector."""
+    import multiprocessing
+
+    load = Load(args.layers * args.heads * args.steps)
+    start_at = time.time() + 5.0  # the processes import the SDK first
+    with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+        pending = pool.starmap_async(
+            sdk_client,
+            [
+                (port, args.layers, args.heads, args.steps, args.gzip, model, i, args.clients, start_at, args.seconds)
+                for i in range(args.clients)
+            ],
         )
-        while time.perf_counter() < deadline:
-            data = metrics_data(load.take())  # building points is the engine's cost, not timed
-            began = time.perf_counter()
-            result = exporter.export(data)
-            load.record(time.perf_counter() - began, result is MetricExportResult.SUCCESS)
-        exporter.shutdown()
+        time.sleep(max(0.0, start_at - time.time()))
 
-    return drive(port, pid, load, client, args, bytes_per_request=None)
+        def clients(_deadline: float) -> None:
+            for latencies, acked, refused in pending.get():
+                load.latencies.extend(latencies)
+                load.acked_points += acked
+                load.refused += refused
+
+        return drive(port, pid, load, clients, args, bytes_per_request=None, threads=1)
 
 
-def drive(port: int, pid: int, load: Load, client, args: argparse.Namespace, bytes_per_request: float | None) -> dict:
+def drive(
+    port: int,
+    pid: int,
+    load: Load,
+    client,
+    args: argparse.Namespace,
+    bytes_per_request: float | None,
+    threads: int | None = None,
+) -> dict:
     before = readiness(port)["counters"]["stored_points"]
     cpu_before = cpu_seconds(pid)
     load_average = os.getloadavg()[0]
     started = time.perf_counter()
     deadline = started + args.seconds
-    threads = [threading.Thread(target=client, args=(deadline,)) for _ in range(args.clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    workers = [threading.Thread(target=client, args=(deadline,)) for _ in range(threads or args.clients)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
     sent_until = time.perf_counter()
     drained = wait_drained(port)
     stored = readiness(port)["counters"]["stored_points"] - before
@@ -229,12 +297,12 @@ def disk_usage(root: Path, samples: int) -> dict:
         for index in range(max(1, samples // per_request)):
             steps = range(index * 16, index * 16 + 16)
             request = samples_request("m", "disk", 32, 32, steps, start_ns, inf_every=997, rng=rng)
-            typed = otlp.convert_request(request, Limits()).columns[tables.CERTIFICATE_SAMPLES]
+            typed = otlp.convert_request(request, Limits()).rows.columns[tables.CERTIFICATE_SAMPLES]
             began = time.perf_counter()
             store.insert_columns(tables.CERTIFICATE_SAMPLES, typed, token=f"typed-{index}")
             typed_s += time.perf_counter() - began
             request.resource_metrics[0].scope_metrics[0].metrics[0].name = "bench.raw.sample"
-            raw = otlp.convert_request(request, Limits()).columns[tables.GAUGE]
+            raw = otlp.convert_request(request, Limits()).rows.columns[tables.GAUGE]
             began = time.perf_counter()
             store.insert_columns(tables.GAUGE, raw, token=f"raw-{index}")
             raw_s += time.perf_counter() - began
@@ -256,27 +324,65 @@ def disk_usage(root: Path, samples: int) -> dict:
         store.close()
 
 
+LOADS = ("replay", "sdk")
+MEASURES = (
+    ("stored_points_per_s", "stored samples/s"),
+    ("latency_p50_ms", "p50 ms"),
+    ("latency_p99_ms", "p99 ms"),
+    ("refused_requests", "refused"),
+    ("collector_cpu_us_per_point", "collector CPU us/sample"),
+    ("peak_rss_mib", "collector peak RSS MiB"),
+)
+
+
+def run_collector(args: argparse.Namespace, pythonpath: str | None) -> dict:
+    """Both loads on one fresh collector; its peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="witcert-bench-") as tmp:
+        process, port = start_collector(Path(tmp), pythonpath)
+        try:
+            result = {"replay": run_replay(port, process.pid, args, "replay")}
+            if not args.skip_sdk:
+                result["sdk"] = run_sdk(port, process.pid, args, "sdk")
+            rss = peak_rss_mib(process.pid)
+            for load in result.values():
+                load["peak_rss_mib"] = rss
+        finally:
+            process.terminate()
+            process.wait(timeout=120)
+    return result
+
+
+def medians(runs: list[dict]) -> dict:
+    return {
+        load: {key: statistics.median(run[load][key] for run in runs) for key, _ in MEASURES}
+        for load in LOADS
+        if all(load in run for run in runs)
+    }
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# Ingest benchmark",
         "",
         f"{report['when']} on {report['machine']}; command: `{report['command']}`.",
+        f"Medians of {report['parameters']['repeats']} interleaved repeats; 1-minute load average at the start of "
+        f"each load: {report['load_averages']}.",
         "",
-        "| load | requests | points/request | acked points/s | stored points/s | p50 ms | p99 ms | refused "
-        "| collector CPU us/point | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| collector | load | " + " | ".join(label for _, label in MEASURES) + " |",
+        "|---|---|" + "---|" * len(MEASURES),
     ]
-    for name in ("replay", "sdk"):
-        run = report.get(name)
-        if run:
-            lines.append(
-                f"| {name} | {run['requests']} | {run['points_per_request']} | {run['acked_points_per_s']:,} | "
-                f"{run['stored_points_per_s']:,} | {run['latency_p50_ms']} | {run['latency_p99_ms']} | "
-                f"{run['refused_requests']} | {run['collector_cpu_us_per_point']} | {run['load_average_1m_at_start']} |"
+    for variant, figures in report["medians"].items():
+        for load, values in figures.items():
+            cells = " | ".join(
+                f"{values[key]:,}" if key == "stored_points_per_s" else str(values[key]) for key, _ in MEASURES
             )
-    lines += ["", "| table | rows | bytes on disk per million samples | insert us/row |", "|---|---|---|---|"]
-    for table, usage in report["disk"].items():
-        lines.append(f"| {table} | {usage['rows']:,} | {usage['bytes_per_million']:,} | {usage['insert_us_per_row']} |")
+            lines.append(f"| {variant} | {load} | {cells} |")
+    if "disk" in report:
+        lines += ["", "| table | rows | bytes on disk per million samples | insert us/row |", "|---|---|---|---|"]
+        for table, usage in report["disk"].items():
+            lines.append(
+                f"| {table} | {usage['rows']:,} | {usage['bytes_per_million']:,} | {usage['insert_us_per_row']} |"
+            )
     lines += ["", "Method: see the docstring of bench/bench_ingest.py.", ""]
     return "\n".join(lines)
 
@@ -290,7 +396,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per request")
     parser.add_argument("--prebuilt", type=int, default=300, help="replay requests built before the clock starts")
     parser.add_argument("--gzip", action="store_true", help="gzip request bodies")
-    parser.add_argument("--disk-samples", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=1, help="fresh collectors per variant; medians reported")
+    parser.add_argument("--baseline-pythonpath", default=None, help="PYTHONPATH of a baseline collector to interleave")
+    parser.add_argument("--baseline-label", default="baseline")
+    parser.add_argument("--label", default="this checkout", help="name of this checkout's collector in the table")
+    parser.add_argument("--disk-samples", type=int, default=1_000_000, help="0: skip the disk measurement")
     parser.add_argument("--skip-sdk", action="store_true")
     parser.add_argument("--output", default="ingest", help="results file stem under bench/results/")
     args = parser.parse_args()
@@ -301,19 +411,26 @@ def main() -> None:
         "command": "python bench/bench_ingest.py " + " ".join(sys.argv[1:]),
         "parameters": vars(args),
     }
-    with tempfile.TemporaryDirectory(prefix="witcert-bench-") as tmp:
-        root = Path(tmp)
-        process, port = start_collector(root)
-        try:
-            report["replay"] = run_replay(port, process.pid, args, "replay")
-            print("replay", report["replay"], flush=True)
-            if not args.skip_sdk:
-                report["sdk"] = run_sdk(port, process.pid, args, "sdk")
-                print("sdk", report["sdk"], flush=True)
-        finally:
-            process.terminate()
-            process.wait(timeout=120)
-        report["disk"] = disk_usage(root, args.disk_samples)
+    variants: dict[str, str | None] = {args.label: None}
+    if args.baseline_pythonpath:
+        variants = {args.baseline_label: args.baseline_pythonpath, **variants}
+    runs: dict[str, list[dict]] = {label: [] for label in variants}
+    for repeat in range(args.repeats):
+        order = list(variants.items())
+        if repeat % 2:
+            order.reverse()  # neither variant always runs first
+        for label, pythonpath in order:
+            result = run_collector(args, pythonpath)
+            runs[label].append(result)
+            print(label, repeat, json.dumps(result), flush=True)
+    report["runs"] = runs
+    report["load_averages"] = sorted(
+        run[load]["load_average_1m_at_start"] for label in runs for run in runs[label] for load in run
+    )
+    report["medians"] = {label: medians(label_runs) for label, label_runs in runs.items()}
+    if args.disk_samples:
+        with tempfile.TemporaryDirectory(prefix="witcert-bench-") as tmp:
+            report["disk"] = disk_usage(Path(tmp), args.disk_samples)
         print("disk", report["disk"], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -554,8 +554,13 @@ class Converter:
         )
         oldest, newest = self.oldest_ns[tables.CERTIFICATE_SAMPLES], self.newest_ns
         accepted = 0
+        key_layer, key_head, key_step = ts.ATTR_LAYER, ts.ATTR_HEAD, ts.ATTR_STEP
+        # The loop every sample goes through: attribute access on upb messages is what it costs,
+        # so each field is read once and the oneof asked only when a value reads as zero.
         for point in points:
-            value = point.as_double if point.WhichOneof("value") != "as_int" else float(point.as_int)
+            value = point.as_double
+            if value == 0.0 and point.WhichOneof("value") == "as_int":
+                value = float(point.as_int)
             if not value >= 0:  # also catches NaN
                 self.reject(1, f"{ts.CERTIFICATE_SAMPLE}: certificates are >= 0 (+inf allowed), got {value}")
                 continue
@@ -566,12 +571,18 @@ class Converter:
             layer = head = step = None
             for kv in point.attributes:
                 key = kv.key
-                if key == ts.ATTR_LAYER:
-                    layer = _unsigned(kv.value, _MAX_LAYER_HEAD)
-                elif key == ts.ATTR_HEAD:
-                    head = _unsigned(kv.value, _MAX_LAYER_HEAD)
-                elif key == ts.ATTR_STEP:
-                    step = _unsigned(kv.value, 2**64 - 1)
+                any_value = kv.value
+                number = any_value.int_value
+                if not number:
+                    number = _unsigned(any_value, 2**64 - 1)
+                if number is None or number < 0:
+                    continue
+                if key == key_layer:
+                    layer = number if number <= _MAX_LAYER_HEAD else None
+                elif key == key_head:
+                    head = number if number <= _MAX_LAYER_HEAD else None
+                elif key == key_step:
+                    step = number
             if layer is None or head is None or step is None:
                 self.reject(
                     1, f"{ts.CERTIFICATE_SAMPLE}: attributes layer, head (0..65534) and step (>= 0) are required"
