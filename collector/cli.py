@@ -195,6 +195,9 @@ def _run_collector(args: argparse.Namespace) -> int:
     from witcert.collector.spool import SpoolBusy, SpoolFormatError
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # While the store is down, every reconnection attempt would log urllib3's retry chain; the
+    # collector says once that the store is unavailable, and /readyz says why.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     try:
         config = _collector_config(args)
     except ValueError as error:  # pydantic's ValidationError is a ValueError
