@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import yaml
 from google.rpc import status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
@@ -466,7 +467,8 @@ def _free_port() -> int:
 
 def test_an_unreachable_clickhouse_at_start_listens_spools_and_says_why(tmp_path):
     store = f"clickhouse://default@127.0.0.1:{_free_port()}/default"
-    with _collector_process(tmp_path, CollectorConfig(), store=store) as (_, port):
+    with _collector_process(tmp_path, CollectorConfig(), store=store) as (process, port):
+        idle_bytes = _rss_kib(process.pid, "VmRSS") * 1024
         url = f"http://127.0.0.1:{port}"
         with pytest.raises(urllib.error.HTTPError) as not_ready:
             urllib.request.urlopen(url + "/readyz", timeout=5)
@@ -477,6 +479,13 @@ def test_an_unreachable_clickhouse_at_start_listens_spools_and_says_why(tmp_path
         assert OtlpHttpClient("127.0.0.1", port).post(request).status == 200
         with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
             assert response.status == 200
+    # The Kubernetes manifest runs this process (with gRPC): its limit holds the idle process and
+    # the most the default settings let its work hold.
+    manifest = Path(__file__).parents[1] / "deploy/kubernetes/collector.yaml"
+    (statefulset,) = [d for d in yaml.safe_load_all(manifest.read_text()) if d["kind"] == "StatefulSet"]
+    limit = statefulset["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    assert idle_bytes + CollectorConfig().working_memory_bytes() <= float(limit[:-2]) * 1024**3
 
 
 def test_a_busy_chdb_store_at_start_is_drained_once_it_is_free(make_collector, store_url, tmp_path):
