@@ -43,7 +43,7 @@ SHIPPED_OUTLIERS = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "
 class DemoOptions:
     model: str = "SmolLM2-135M-Instruct"
     prompt: str = DEFAULT_PROMPT
-    steps: int = 64
+    steps: int = 96  # the default prompt's answer ends after 84 tokens
     prompt_tokens: int = 128  # the random model's prompt length (random tokens)
     batch: int = 1
     layers: int = 4
