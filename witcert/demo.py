@@ -165,7 +165,7 @@ def _load_model(options: DemoOptions, device: torch.device, dtype: torch.dtype, 
     def report(stage: str, done: int, total: int) -> None:
         if stage == "checksum":
             if not tasks:
-                console.print(f"first run: converting {spec.filename} into the model cache (once)")
+                console.print(f"first run: converting {spec.filename} into the model cache (once)", soft_wrap=True)
                 progress.start()
                 tasks[stage] = progress.add_task("checking SHA-256", total=total)
             progress.update(tasks[stage], completed=done, total=total)
