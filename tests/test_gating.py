@@ -376,7 +376,7 @@ def _cache_inputs(seed: int = 0):
 
 def test_repaired_rows_are_read_through_the_kernel_and_merge_at_the_next_step(monkeypatch):
     config, keys, values, query = _cache_inputs()
-    observe = WitcertCache(config, CachePolicy(mode="observe"), max_cache_len=S)
+    observe = WitcertCache(config, CachePolicy(mode="observe", seed=0), max_cache_len=S)
     observe.layers[0].update(keys, values)
     observed = []
     observe.audit = lambda cache, layer, q, certificate, sm: observed.append(certificate.clone())
@@ -391,7 +391,7 @@ def test_repaired_rows_are_read_through_the_kernel_and_merge_at_the_next_step(mo
 
     monkeypatch.setattr(gating, "certified_decode_rows", counting)
     aggregator = CertificateAggregator(1, H_Q, tau=tau, stride=1, device="cpu")
-    cache = WitcertCache(config, CachePolicy(mode="gate", tau=tau), max_cache_len=S, observer=aggregator)
+    cache = WitcertCache(config, CachePolicy(mode="gate", tau=tau, seed=0), max_cache_len=S, observer=aggregator)
     cache.layers[0].update(keys, values)
     reported = []
     cache.audit = lambda cache, layer, q, certificate, sm: reported.append(certificate.clone())

@@ -19,12 +19,14 @@ def model():
 def test_gate_mode_report_is_sound_and_closer_to_fp16(model):
     prompt = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
     continuation = greedy_continuation(model, prompt, 6)
-    observed = teacher_forced_quality(model, prompt, continuation, CachePolicy(mode=GateMode.OBSERVE))
+    # One dither seed for both runs: the pool's default draws a new one per pool, and the comparison below is
+    # between the same quantized cache with and without repairs.
+    observed = teacher_forced_quality(model, prompt, continuation, CachePolicy(mode=GateMode.OBSERVE, seed=0))
     assert observed.certificates == 2 * 2 * 4 * 6  # batch x layers x heads x steps
     assert observed.violations == 0 and observed.max_true_tv > 0
     assert observed.median_ratio >= 1.0  # a certificate never undercuts the true TV it bounds
     tau = observed.median_certificate
-    gated = teacher_forced_quality(model, prompt, continuation, CachePolicy(mode=GateMode.GATE, tau=tau))
+    gated = teacher_forced_quality(model, prompt, continuation, CachePolicy(mode=GateMode.GATE, tau=tau, seed=0))
     assert gated.violations == 0
     assert gated.fallbacks > 0
     assert gated.median_certificate <= tau
@@ -51,8 +53,8 @@ def test_calibrated_pairs_tighten_real_certificates_more_than_the_lowest_frequen
     with open("/usr/share/common-licenses/GPL-3", encoding="utf-8") as stream:
         ids = tokenizer(stream.read(), return_tensors="pt")["input_ids"][:, :1032]
     prompt, forced = ids[:, :1024], ids[:, 1024:]
-    calibrated = CachePolicy(mode=GateMode.OBSERVE, outlier_file=SHIPPED_OUTLIERS["smollm2-135m-instruct"])
-    lowest = CachePolicy(mode=GateMode.OBSERVE, outlier_pairs=4)
+    calibrated = CachePolicy(mode=GateMode.OBSERVE, seed=0, outlier_file=SHIPPED_OUTLIERS["smollm2-135m-instruct"])
+    lowest = CachePolicy(mode=GateMode.OBSERVE, seed=0, outlier_pairs=4)
     with_calibrated = teacher_forced_quality(model, prompt, forced, calibrated)
     with_lowest = teacher_forced_quality(model, prompt, forced, lowest)
     assert with_calibrated.violations == 0 and with_lowest.violations == 0
