@@ -226,10 +226,10 @@ def gluon_supports(q: torch.Tensor, pool: KVPool) -> bool:
 
 def gluon_covers(q_dtype: torch.dtype, pool: KVPool) -> bool:
     """Whether the Gluon stage 1 computes decode for queries of ``q_dtype`` on this pool, whatever the device
-    (``gluon_decode.supports``: its dtypes, shapes and pool options)."""
-    from witcert.kernels import gluon_decode
+    (``gluon_tiles.supports``: its dtypes, shapes and pool options)."""
+    from witcert.kernels import gluon_tiles
 
-    return gluon_decode.supports(
+    return gluon_tiles.supports(
         q_dtype=q_dtype,
         head_dim=pool.head_dim,
         group_size=pool.group_size,
@@ -258,12 +258,12 @@ def _runs_gluon(q: torch.Tensor, pool: KVPool, kv_indices: torch.Tensor) -> bool
 
 def _stage1_units(q: torch.Tensor, pool: KVPool, use_gluon: bool, certificate: bool) -> tuple[int, int]:
     """``(programs per split, programs per SM)`` of the stage 1 that runs: what the default splits fill."""
-    from witcert.kernels import gluon_decode
+    from witcert.kernels import gluon_tiles
 
     rows, num_q_heads, _ = q.shape
     kv_group = num_q_heads // pool.kv_heads
     if use_gluon:
-        blocks = -(-kv_group // int(gluon_decode.HEADS))
+        blocks = -(-kv_group // int(gluon_tiles.HEADS))
         return rows * pool.kv_heads * blocks, LAUNCH.gluon_programs_per_sm(certificate)
     return rows * pool.kv_heads * -(-kv_group // _pow2(kv_group)), LAUNCH.programs_per_sm()
 
@@ -316,9 +316,9 @@ def _run_triton(
     )
     use_ws = use_gluon and _runs_gluon_ws(q)
     if use_gluon:
-        from witcert.kernels import gluon_decode, gluon_decode_ws
+        from witcert.kernels import gluon_decode, gluon_decode_ws, gluon_tiles
 
-        grid = (rows, pool.kv_heads * -(-kv_group // gluon_decode.HEADS), num_kv_splits)
+        grid = (rows, pool.kv_heads * -(-kv_group // gluon_tiles.HEADS), num_kv_splits)
         if use_ws:
             kernel, cap = gluon_decode_ws.decode_stage1_ws, LAUNCH.gluon_ws_maxnreg
         else:
@@ -342,7 +342,7 @@ def _run_triton(
             HAS_SKIP=skip is not None,
             OFFSETS_64=offsets_64,
             NUM_SPLITS=num_kv_splits,
-            num_warps=gluon_decode.NUM_WARPS,
+            num_warps=gluon_tiles.NUM_WARPS,
             **({"maxnreg": cap} if cap else {}),
         )
     else:

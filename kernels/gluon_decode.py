@@ -1,190 +1,52 @@
-"""Decode stage 1 in Gluon (Triton's layout-explicit dialect): the int8 path with hand-placed operands.
+"""Decode stage 1 in Gluon (Triton's layout-explicit dialect): the int8 path with hand-placed operands, its
+codes and scales copied one tile ahead by the warps that compute on them.
 
-The Triton kernel (``triton_kernels.decode_stage1``) is limited by instruction issue: Triton builds the
-tensor-core operands of the int8 tiles through shared memory and duplicated registers. Here every
-layout is chosen so that the bytes a thread loads are the bytes its tensor-core fragment needs:
+The tile's arithmetic (operands built where a thread's bytes are its tensor-core fragment, exact values, the
+online softmax, PV and the certificate) is ``gluon_tiles``'s, which the warp-specialised form
+(``gluon_decode_ws``) shares; its docstring gives the design. What this kernel adds is the memory pipeline:
+tile i + 1's K (codes, scales) and V are copied to shared memory by ``cp.async`` while tile i is computed, K's
+during tile i's softmax, PV and certificate and V's during tile i + 1's QK; the membar analysis adds four CTA
+barriers per tile. Each thread copies the code bytes it later reads (the copy and the read use one layout); the
+barriers around the copies make the scales, read by other lanes, visible.
 
-* **QK** runs with tokens as the MMA rows: ``logits^T [tokens, heads] = K [tokens, channels] x q^T``,
-  so eight query heads fill the ``n8`` side exactly. Each thread loads 8 contiguous code bytes per
-  (token, channel group) and the channel order inside a group is relabelled (a permutation applied to
-  K and q alike, which a dot product ignores) so that those bytes are its fragment's ``k`` slots.
-* **Dither.** K's ``xi = alpha_c`` (docs/THEORY.md, section 1) costs no per-token work: it enters once per
-  split as ``sum_c q_c alpha_c`` per (head, group), the QK MMAs' start value.
-* **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T`` in halves of 16 tokens and
-  64 channels: a thread loads 8 contiguous V bytes per token, one asm block interleaves tokens t and
-  t + 1 by ``prmt`` into ``f16x2`` registers and scales them into the exact ``v_hi + v_lo``, and the
-  output channels are relabelled (undone at the store).
-* **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max,
-  sums and output accumulator; the four are merged once per split, with the same algebra as the
-  split merge of stage 2. q's dither offsets and the radius operands wait in shared memory. The weights'
-  sum stays per thread too; an out-of-range slot poisons the row after the loop (a running maximum).
-* **The certificate** (THEORY.md section 3) on the same tile: the radius from two tf32 MMAs of the tile's
-  scales with operands built from q's norms (``_radius``), ``A1 = B + U`` (no ``expm1`` per token), and
-  the rest sums kept per thread over its own tokens, reduced over the lanes once per split.
-* **Codes and scales one tile ahead**: tile i + 1's K (codes, scales) and V are copied to shared memory
-  by ``cp.async`` while tile i is computed; the membar analysis adds four CTA barriers per tile.
-
-Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
-and start from ``sum(q_g alpha_g)``, so that they compute the negated logit part ``-q_g . (code_g - alpha_g)`` up
-to float32 sums (``_neg_codes``); the softmax scale is negated to match, and the loop keeps
-logits in base-2 units (one ``ex2`` per weight). The output uses the exact ``v_hi +
-v_lo`` split of ``s * code`` with ``2**14 p`` split into ``p_hi + p_mid``. The outputs are the stage-1
-partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and bf16 queries (bf16 scaled per
-head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest or
-dithered (``V_DITHER``: the output less ``alpha_c W_g + Z_g``, ``_dither_sums``), no
-outlier channels, fewer than 2**29 (slot, KV head) rows (``supports`` says; everything else runs the Triton
-kernel); 64-bit code offsets for pools of 2**31 code bytes (``OFFSETS_64``). Compiled on the GPU only:
-Gluon has no interpreter, so the contract tests run it compiled on the H200; CI runs it in Triton's interpreter
-with its layouts dropped and its asm blocks emulated (``tests/gluon_emulation.py``, whose emulation of the
-operand asm is checked against the PTX text), and checks its compiled token loop (``tests/test_kernels_sass.py``).
+Compiled on the GPU only: Gluon has no interpreter, so the contract tests run it compiled on the H200; CI runs it
+in Triton's interpreter with its layouts dropped and its asm blocks emulated (``tests/gluon_emulation.py``, whose
+emulation of the operand asm is checked against the PTX text), and checks its compiled token loop
+(``tests/test_kernels_sass.py``).
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-# Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
-from witcert.kernels.triton_kernels import (
-    g_of,
-    inf_where_nan,
-    mul_nonneg,
-    slot_dither,
-    slot_word,
-    split_range,
-    weighted,
+from witcert.kernels.gluon_tiles import (
+    BLOCK_N,
+    GROUP_SIZE,
+    HEAD_DIM,
+    HEADS,
+    K_GROUP,
+    ROW_MAJOR,
+    ROW_MAJOR_2D,
+    TOKEN_ROW,
+    TOKENS,
+    V_LOAD,
+    V_SHARED,
+    async_load,
+    certificate_tile,
+    loop_start,
+    pv_tokens,
+    qk_tile,
+    query_operands,
+    slot_row,
+    softmax_tile,
+    store_split,
+    tile_tokens,
+    v_dither_tile,
 )
+from witcert.kernels.triton_kernels import split_range
 
-NUM_WARPS = 4
-# Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
-TOKENS = gl.constexpr(32)
-BLOCK_N = gl.constexpr(NUM_WARPS * 32)
-HEADS = gl.constexpr(8)
-HEAD_DIM = gl.constexpr(128)
-GROUP_SIZE = gl.constexpr(32)
-
-_FP32_INF = gl.constexpr(float("inf"))
-_MIN_NORMAL = gl.constexpr(2.0**-126)  # float32's (and tf32's) smallest normal value
-# The loop keeps its logits, maxima and shifts in base-2 units (the softmax scale times log2(e)), so that a
-# weight is one ex2; the stored max and LSE go back to natural units. The scale is negated: the QK MMAs
-# compute the negated logits (_k_operands).
-_NEG_LOG2E = gl.constexpr(-1.4426950408889634)
-_LN2 = gl.constexpr(0.6931471805599453)
-# Triton 3.9 renamed Gluon's CTA barrier and its asynchronous copy.
-_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-_async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
-
-
-_P_SCALE = gl.constexpr(16384.0)
-
-# mma.sync m16n8k16, batched over the warps: [warp, rows, cols], each warp its own batch entry.
-_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
-_OP_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 2))
-_OP_B = gl.constexpr(gl.DotOperandLayout(1, _MMA, 2))
-_TOKEN_ROW = gl.constexpr(gl.SliceLayout(2, _MMA))  # [warp, token] beside the [warp, token, head] logits
-_HEAD_ROW = gl.constexpr(gl.SliceLayout(1, _MMA))  # [warp, head]: per-warp softmax state
-# K codes of one channel group, [warp, token, 32 channels]: a thread holds channels 8 j + (0..7) of its tokens
-# (j = lane % 4), 8 contiguous bytes.
-_K_GROUP = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 8, 0], [0, 16, 0]],
-        lane_bases=[[0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]],
-        block_bases=[],
-        shape=[4, 32, 32],
-    )
-)
-# V codes of 16 tokens per warp and half the channels, [warp, token, 64]: loaded index c is channel
-# 16 (c // 8) + 8 half + c % 8, so a thread reads 8 contiguous bytes per token. _V_PAIRS is the same
-# registers reordered so that tokens t and t + 1 are neighbours for the pairing asm; _V_PAIRS4 views
-# the 64 as [group, 16] (a thread's 8 channels share one group).
-_V_LOAD = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]],
-        block_bases=[],
-        shape=[4, 16, 64],
-    )
-)
-_V_PAIRS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 0, 4], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]],
-        block_bases=[],
-        shape=[4, 16, 64],
-    )
-)
-_V_PAIRS4 = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 0, 0, 4], [0, 8, 0, 0]],
-        lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 8], [0, 0, 1, 0], [0, 0, 2, 0]],
-        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]],
-        block_bases=[],
-        shape=[4, 16, 4, 16],
-    )
-)
-_V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
-# A dithered V's scales read once more for the dither's sums, [4 half + warp, token, group], placed as the logits'
-# rows hold token 32 warp + 16 half + t (_K_SCALES for V's buffer), so that no layout change follows the read.
-_V_SCALES_ROWS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [4, 0, 0]],
-        lane_bases=[[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]],
-        block_bases=[],
-        shape=[8, 16, 4],
-    )
-)
-# A dithered V's per-slot dither, one token per lane: [warp, token], lane bits 0-1 the token's bits 3-4, so that
-# the four lanes of a quad hold the four tokens each of them needs in the logits' rows.
-_SLOT_LANES = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[],
-        lane_bases=[[0, 8], [0, 16], [0, 1], [0, 2], [0, 4]],
-        warp_bases=[[1, 0], [2, 0]],
-        block_bases=[],
-        shape=[4, 32],
-    )
-)
-# The radius as tf32 MMAs (_radius): operands [warp, token, k] x [warp, k, head], and the K scales read with
-# the tokens and groups of the A operand (token rows 8 apart in registers, the group on the lane's low bits).
-_RADIUS_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 1))
-_RADIUS_B = gl.constexpr(gl.DotOperandLayout(1, _MMA, 1))
-_RADIUS_SCALES = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[8, 0], [16, 0]],
-        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[32, 0], [64, 0]],
-        block_bases=[],
-        shape=[128, 4],
-    )
-)
-# q^T of one group, [warp (broadcast), 32 channels, 8 heads], as loaded (then relabelled like K).
-_Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
-_NORMS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-# The tile's codes and scales wait in shared memory, copied there asynchronously one tile ahead of their
-# use. Each thread copies the code bytes it later reads (the copy and the read use one layout); the
-# barriers the membar analysis adds around the copies make the scales, read by other lanes, visible.
-# K codes, one buffer per group: [warp, token, 32 channels], row-major, so the 8 lanes of one token row
-# read 32 contiguous bytes, four rows 128. V: [warp, token, 64] with the offset bits ordered so that the
-# 16 lanes of a half-warp (tokens 2, 4; channels 8, 16) read 128 contiguous bytes.
-_ROW_MAJOR = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-_ROW_MAJOR_2D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-# K scales of a tile, [token (32 warp + t), group], read with the tokens placed as in the logits' rows and
-# a token's four groups (8 bytes) in one thread. Double-buffered: the certificate reads tile i's while
-# tile i + 1's are copied.
-_K_SCALES = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
-        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[32, 0], [64, 0]],
-        block_bases=[],
-        shape=[128, 4],
-    )
-)
 # The scale copies give each lane one token's four groups (one 8-byte copy, no lane copying what another
 # does): K [token, group], V [4 half + warp, token, group].
 _K_SCALES_COPY = gl.constexpr(
@@ -205,258 +67,6 @@ _V_SCALES_COPY = gl.constexpr(
         shape=[8, 16, 4],
     )
 )
-_V_SHARED = gl.constexpr(
-    gl.SharedLinearLayout(
-        offset_bases=[
-            [0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 2, 0], [0, 4, 0], [0, 0, 32], [0, 1, 0],
-            [0, 8, 0], [1, 0, 0], [2, 0, 0],
-        ]
-    )
-)  # fmt: skip
-
-
-def supports(
-    *, q_dtype: object, head_dim: int, group_size: int, dither_bits: int, v_dither: bool, outliers: int, rows: int
-) -> bool:
-    """Whether this kernel covers a decode call on a pool of ``rows`` (slot, KV head) rows (everything else runs
-    the Triton kernel). Rows and the scales' element offsets (``rows * 4``) are 32-bit; only the codes' byte
-    offsets widen (``OFFSETS_64``), so pools of 2**29 rows or more take the Triton kernel."""
-    import torch
-
-    return (
-        q_dtype in (torch.float16, torch.bfloat16)
-        and head_dim == HEAD_DIM
-        and group_size == GROUP_SIZE
-        and dither_bits == 8
-        and outliers == 0
-        and rows * (HEAD_DIM // GROUP_SIZE) < 2**31
-    )
-
-
-@gluon.jit
-def _relabel_group(x, axis: gl.constexpr):
-    """Group channel ``c = 16 j1 + 8 j0 + 4 a + 2 h + e`` -> MMA slot ``16 a + 8 h + 4 j1 + 2 j0 + e``."""
-    if axis == 2:
-        x = gl.reshape(gl.permute(gl.reshape(x, [4, 32, 2, 2, 2, 2, 2]), [0, 1, 4, 5, 2, 3, 6]), [4, 32, 32])
-    else:
-        x = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 2, 2, 2, 2, 8]), [0, 3, 4, 1, 2, 5, 6]), [4, 32, 8])
-    return x
-
-
-@gluon.jit
-def _q_scale(q_ptrs, q_mask):
-    """Per ``[warp, head]``, the power of two ``2**k`` that puts a bf16 query's largest magnitude in
-    ``[2**13, 2**14)``: there ``2**k q`` is exact in fp16 down to ``2**-27`` of that magnitude (fp16's
-    normal range), far below what float32 sums of the products keep, and ``2**k q code`` stays finite.
-    A zero, subnormal or non-finite maximum keeps its exponent field clamped (the result only matters
-    for finite, nonzero queries)."""
-    amax = gl.max(gl.abs(gl.load(q_ptrs, mask=q_mask, other=0.0).to(gl.float32)), axis=1)
-    for g in gl.static_range(1, HEAD_DIM // GROUP_SIZE):
-        q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0).to(gl.float32)
-        amax = gl.maximum(amax, gl.max(gl.abs(q_g), axis=1))
-    biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-    # 2**(13 - e) for amax in [2**e, 2**(e + 1)): biased exponent 127 + 13 - (biased - 127).
-    return (gl.minimum(gl.maximum(267 - biased, 1), 254) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _q_group(q_ptrs, q_mask, g: gl.constexpr, q_scale):
-    """Group ``g`` of q^T: the relabelled fp16 MMA operand ``q_scale q_g`` (a bf16 query, ``_q_scale``; an
-    fp16 one as is, ``q_scale`` unused), ``|q_g|_2^2`` and ``|q_g|_1`` of the query itself, per ``[warp, head]``,
-    and the operand in float32 ``[warp, channel, head]`` (laid out as loaded, channels not relabelled)."""
-    q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0)
-    q32 = q_g.to(gl.float32)
-    if q_g.dtype == gl.bfloat16:
-        operand = (q32 * q_scale[:, None, :]).to(gl.float16)
-    else:
-        operand = q_g
-    operand32 = operand.to(gl.float32)
-    return (
-        gl.convert_layout(_relabel_group(operand, 1), _OP_B),
-        gl.sum(q32 * q32, axis=1),
-        gl.sum(gl.abs(q32), axis=1),
-        operand32,
-    )
-
-
-@gluon.jit
-def _tf32_hi(x):
-    """``x`` with its low 13 mantissa bits cleared: exact in tf32, and ``x - hi`` is exact in float32."""
-    return (x.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _radius_operands(groups, sigma_coef, bias_coef):
-    """The tf32 MMA operands ``[warp, k, head]`` that turn a token's scales into its radius terms.
-
-    Row ``k = 4 d + g`` meets the token's ``(hi, hi, lo, s_g)[d]`` (``_radius``; ``s_g^2 = hi + lo``).
-    ``sigma^2`` takes ``a_g = sm^2 |q_g|^2 / 12`` as ``(a_hi, a_lo, a_hi, 0)``, so that the products are
-    ``hi a_hi + hi a_lo + lo a_hi``: within 2**-21 of the float32 value. The bias takes ``b_g = sm beta
-    |q_g|_1`` rounded up to tf32 at ``d = 3`` (at most 2**-10 above: the bias is a fraction of a percent of
-    ``u``, and larger only loosens the bound).
-    """
-    layout: gl.constexpr = _Q_LOAD
-    k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
-    sigma = gl.zeros([4, 16, 8], gl.float32, layout)
-    bias = gl.zeros([4, 16, 8], gl.float32, layout)
-    for g in gl.static_range(4):
-        a = (groups[g][1] * sigma_coef)[:, None, :]
-        # sm^2 |q_g|^2 / 12 can overflow float32 (bf16 queries near 2**62 and beyond): the reference's radius is
-        # then +inf for every token. The sigma operand would make it NaN (inf - inf, and 0 * inf against an exact
-        # s_g^2), so that head's infinity goes in through the bias, which meets s_g > 0 alone: +inf, at no cost in
-        # the loop.
-        overflow = a == _FP32_INF
-        a = gl.where(overflow, 0.0, a)
-        a_hi = _tf32_hi(a)
-        b = (groups[g][2] * bias_coef)[:, None, :]
-        b_hi = _tf32_hi(b)
-        b_up = gl.where(b_hi < b, (b_hi.to(gl.uint32, bitcast=True) + 0x2000).to(gl.float32, bitcast=True), b_hi)
-        b_up = gl.where(overflow, _FP32_INF, b_up)
-        sigma = gl.where((k == g) | (k == 8 + g), a_hi, sigma)
-        sigma = gl.where(k == 4 + g, a - a_hi, sigma)
-        bias = gl.where(k == 12 + g, b_up, bias)
-    return sigma, bias
-
-
-@gluon.jit
-def _radius(tile_scales, radius_ops, tail):
-    """``u = c sigma + bias`` per ``[warp, token, head]`` of the tile (the logits' layout), from two tf32
-    products of the tokens' scales with ``_radius_operands``: exact products, float32 sums."""
-    # A zero scale (an all-zero group) enters as 2**-126: an overflowed head's infinite bias operand
-    # (``_radius_operands``) would meet it as 0 * inf, NaN, where the reference's radius is +inf. Elsewhere it
-    # adds at most 2**-126 b_g to the bias (a larger radius, still a bound), and its square flushes to 0. (A NaN
-    # scale, a NaN key written unvalidated, becomes 2**-126 here too; its logit stays NaN and poisons the row.)
-    s = gl.maximum(gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4]), _MIN_NORMAL)
-    s2 = s * s  # exact: an fp16 scale squared has at most 22 significant bits
-    hi = _tf32_hi(s2)
-    # [warp, token, g, i, o] -> k = 8 o + 4 i + g: (hi, hi, lo, s)[2 o + i].
-    parts = gl.join(gl.join(hi, hi), gl.join(s2 - hi, s))
-    scales = gl.convert_layout(gl.reshape(gl.permute(parts, [0, 1, 4, 3, 2]), [4, 32, 16]), _RADIUS_A)
-    zero = gl.zeros([4, 32, 8], gl.float32, _MMA)
-    sigma_sq = mma_v2(scales, radius_ops[0].load(_RADIUS_B), zero, input_precision="tf32")
-    bias = mma_v2(scales, radius_ops[1].load(_RADIUS_B), zero, input_precision="tf32")
-    return tail * gl.sqrt(sigma_sq) + bias
-
-
-@gluon.jit
-def _exp2(x):
-    """``2**x`` for the softmax weights (``x <= 0``, or -inf; the loop's logits are in base-2 units):
-    ``ex2.approx.ftz``, which ``gl.exp2`` also runs, without the guard it adds for subnormal results. A
-    weight below 2**-126 of the max becomes 0: it changes the output by less than 2**-110 relative, and
-    every certificate term it enters is a weighted non-negative term (an infinite factor still makes +inf,
-    ``weighted``)."""
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-# The accumulator's registers alternate between the thread's two heads (its MMA columns 2 t and 2 t + 1), so
-# inputs $32 and $33 are the alphas of both: the branch skips only where neither head's max moved.
-_RESCALE_ASM = gl.constexpr(
-    "{\n.reg .pred p;\nsetp.eq.f32 p, $32, 0f3F800000;\nsetp.eq.and.f32 p, $33, 0f3F800000, p;\n"
-    "@p bra SKIP${:uid};\n" + "\n".join(f"mul.f32 ${i}, ${i}, ${32 + i};" for i in range(16)) + "\nSKIP${:uid}:\n}"
-)
-_RESCALE_CONSTRAINTS = gl.constexpr("=r," * 16 + ",".join(str(i) for i in range(16)) + "," + "r," * 15 + "r")
-
-
-@gluon.jit
-def _rescaled(acc, alpha):
-    """``acc * alpha``, skipped by a branch where the thread's two heads' ``alpha`` are both 1 (their max did not
-    move, as in most tiles of a long context): ``x * 1 = x``, so the bits are the same either way, and the 16
-    multiplications are not issued."""
-    return gl.inline_asm_elementwise(
-        _RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc, alpha], dtype=gl.float32, is_pure=True, pack=16
-    )
-
-
-@gluon.jit
-def _neg_codes(codes):
-    """Four stored codes -> fp16 ``-code``, two ``f16x2``: the stored byte ``code + 128`` (``pool.encode_codes``)
-    under the fp16 exponent byte 0x64 is ``1152 + code``, and ``1152`` minus it is exact. With these the MMAs
-    compute ``-(q_g . code_g)`` plus their start value (``_qk_group``)."""
-    return gl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 offset;
-        mov.b32 offset, 0x64806480;
-        prmt.b32 $0, $2, 0x64646464, 0x4140;
-        prmt.b32 $1, $2, 0x64646464, 0x4342;
-        sub.rn.f16x2 $0, offset, $0;
-        sub.rn.f16x2 $1, offset, $1;
-        }
-        """,
-        "=r,=r,r",
-        [codes],
-        dtype=gl.float16,
-        is_pure=True,
-        pack=4,
-    )
-
-
-@gluon.jit
-def _v_pairs(codes, scales):
-    """Tokens ``t, t + 1`` x channels ``c .. c + 3`` -> ``(hi, lo)``, four ``f16x2`` (token t, token t + 1) each,
-    with ``hi + lo = s * code`` exactly (``s`` the token's group scale, the same for the four channels).
-
-    Element ``i`` of the eight in comes from token ``i // 4``, channel ``i % 4``; element ``i`` out is
-    token ``i % 2``, channel ``i // 2`` (the caller relabels). ``hi = fp16(s code)`` and the fma's
-    remainder are exact: the product has at most 19 significant bits on the 2**-24 grid.
-    """
-    return gl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 lo, hi, offset, s, neg;
-        mov.b32 offset, 0xE480E480;
-        prmt.b32 s, $10, $12, 0x5410;
-        prmt.b32 lo, $8, $9, 0x5140;
-        prmt.b32 hi, $8, $9, 0x7362;
-        prmt.b32 $0, lo, 0x64646464, 0x4140;
-        prmt.b32 $1, lo, 0x64646464, 0x4342;
-        prmt.b32 $2, hi, 0x64646464, 0x4140;
-        prmt.b32 $3, hi, 0x64646464, 0x4342;
-        add.rn.f16x2 $4, $0, offset;
-        add.rn.f16x2 $5, $1, offset;
-        add.rn.f16x2 $6, $2, offset;
-        add.rn.f16x2 $7, $3, offset;
-        mul.rn.f16x2 $0, $4, s;
-        mul.rn.f16x2 $1, $5, s;
-        mul.rn.f16x2 $2, $6, s;
-        mul.rn.f16x2 $3, $7, s;
-        neg.f16x2 neg, $0;
-        fma.rn.f16x2 $4, $4, s, neg;
-        neg.f16x2 neg, $1;
-        fma.rn.f16x2 $5, $5, s, neg;
-        neg.f16x2 neg, $2;
-        fma.rn.f16x2 $6, $6, s, neg;
-        neg.f16x2 neg, $3;
-        fma.rn.f16x2 $7, $7, s, neg;
-        }
-        """,
-        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
-        [codes, scales],
-        dtype=(gl.float16, gl.float16),
-        is_pure=True,
-        pack=8,
-    )
-
-
-@gluon.jit
-def _relabel_v(x):
-    """Pairing-asm output ``[warp, 16, 64]`` -> ``V^T [warp, MMA row, token]``, the operand ``_OP_A``.
-
-    Element (token label 2T + x, index label 4C + 2y + z) holds token 2T + z, index 4C + 2x + y; index c
-    then goes to MMA row 8 (c % 8) + c // 8.
-    """
-    x = gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, 16, 2, 2]), [0, 1, 5, 3, 2, 4]), [4, 16, 64])
-    x = gl.reshape(gl.permute(gl.reshape(x, [4, 16, 8, 8]), [0, 1, 3, 2]), [4, 16, 64])
-    return gl.convert_layout(gl.permute(x, [0, 2, 1]), _OP_A)
-
-
-@gluon.jit
-def _slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
-    """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing).
-    32-bit (``supports`` asks for fewer than 2**29 rows); the copies widen the byte offsets where the pool's
-    codes reach 2**31 bytes (``OFFSETS_64``)."""
-    slot = gl.minimum(slots.to(gl.uint32), (num_slots - 1).to(gl.uint32))
-    return slot.to(gl.int32) * NUM_KV_HEADS + kv_head
 
 
 @gluon.jit
@@ -464,19 +74,19 @@ def _token_base(KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.const
     """Row ``slot * H_kv + kv_head`` of the tokens at ``offs``: clamped, not masked, so that a token past
     the end or out of range reads a real slot (finite codes and scales) and weighs nothing."""
     slots = gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1))
-    return _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)
+    return slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)
 
 
 @gluon.jit
 def _copy_k(k_tiles, KCodes, base, offs, hi, OFFSETS_64: gl.constexpr):
     """Start copying the K codes of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to ``k_tiles``
     (one buffer per channel group); tokens past ``hi`` are zero-filled."""
-    k_base = gl.convert_layout(base, gl.SliceLayout(2, _K_GROUP))
-    live = (gl.convert_layout(offs, gl.SliceLayout(2, _K_GROUP)) < hi)[:, :, None].broadcast_to(4, 32, 32)
-    chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _K_GROUP)))[None, None, :]
+    k_base = gl.convert_layout(base, gl.SliceLayout(2, K_GROUP))
+    live = (gl.convert_layout(offs, gl.SliceLayout(2, K_GROUP)) < hi)[:, :, None].broadcast_to(4, 32, 32)
+    chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_GROUP)))[None, None, :]
     rows = k_base[:, :, None].to(gl.int64 if OFFSETS_64 else gl.int32) * HEAD_DIM + chan
     for g in gl.static_range(4):
-        _async_load(k_tiles[g], KCodes + rows + g * GROUP_SIZE, mask=live)
+        async_load(k_tiles[g], KCodes + rows + g * GROUP_SIZE, mask=live)
 
 
 @gluon.jit
@@ -484,28 +94,7 @@ def _copy_scales(scales, Scales, rows, offs, hi, groups):
     """Start copying the four group scales of the tokens at ``offs`` (pool rows ``rows``, one token per lane)
     to ``scales``; ``groups`` is ``0..3`` laid out beside them. Tokens past ``hi`` are zero-filled."""
     live = gl.expand_dims(offs < hi, -1) & (groups >= 0)
-    _async_load(scales, Scales + gl.expand_dims(rows, -1) * 4 + groups, mask=live)
-
-
-@gluon.jit
-def _k_group_scales(k_scales):
-    """A tile's K scales from shared memory: four ``[warp, token]`` fp32 tensors laid out as the logits' rows."""
-    return _by_group(gl.reshape(k_scales.load(_K_SCALES).to(gl.float32), [4, 32, 4]))
-
-
-@gluon.jit
-def _by_group(scales):
-    """``[warp, token, group]`` scales -> four ``[warp, token]`` tensors, one per group, in the logits' rows."""
-    both = gl.reshape(scales, [4, 32, 2, 2])
-    even, odd = gl.split(both)  # groups 0, 2 and 1, 3
-    g0, g2 = gl.split(even)
-    g1, g3 = gl.split(odd)
-    return (
-        gl.convert_layout(g0, _TOKEN_ROW),
-        gl.convert_layout(g1, _TOKEN_ROW),
-        gl.convert_layout(g2, _TOKEN_ROW),
-        gl.convert_layout(g3, _TOKEN_ROW),
-    )
+    async_load(scales, Scales + gl.expand_dims(rows, -1) * 4 + groups, mask=live)
 
 
 @gluon.jit
@@ -513,339 +102,24 @@ def _copy_v(v_tiles, VCodes, bases, offs, hi, OFFSETS_64: gl.constexpr):
     """Start copying the V codes of one tile (``offs``: the first 16 tokens of each warp, ``[warp, 16]``;
     ``bases``: the rows of those and of the next 16) to ``v_tiles``: (tokens 0-15, channels of bit 3 clear),
     (0-15, set), (16-31, clear), (16-31, set)."""
-    index = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_LOAD)))[None, None, :]
+    index = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_LOAD)))[None, None, :]
     for part in gl.static_range(2):
         rows = (
             bases[part][:, :, None].to(gl.int64 if OFFSETS_64 else gl.int32) * HEAD_DIM + 16 * (index // 8) + index % 8
         )
         live = ((offs + 16 * part) < hi)[:, :, None].broadcast_to(4, 16, 64)
         for half in gl.static_range(2):
-            _async_load(v_tiles[2 * part + half], VCodes + rows + 8 * half, mask=live)
-
-
-@gluon.jit
-def _pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
-    """``acc += V^T p^T`` over 16 tokens per warp (``v_tiles``: their codes, the two channel halves;
-    ``v_scales``: their scales), the channels in two halves (``acc0``: channels with bit 3 clear, ``acc1``:
-    set), V as ``v_hi + v_lo`` and ``2**14 p`` as ``p_hi + p_mid``: three fp16 MMAs per half."""
-    scales = v_scales.load(_V_SCALES)[:, :, :, None]
-    scales = gl.convert_layout(gl.reshape(scales.broadcast_to(4, 16, 4, 16), [4, 16, 64]), _V_PAIRS)
-    scaled = gl.convert_layout(weights, _OP_B)
-    p_hi = scaled.to(gl.float16)
-    p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)
-    for half in gl.static_range(2):
-        codes = v_tiles[half].load(_V_LOAD)
-        v_hi, v_lo = _v_pairs(gl.convert_layout(codes, _V_PAIRS), scales)
-        v_hi = _relabel_v(v_hi)
-        v_lo = _relabel_v(v_lo)
-        if half == 0:
-            acc0 = mma_v2(v_hi, p_hi, acc0)
-            acc0 = mma_v2(v_lo, p_hi, acc0)
-            acc0 = mma_v2(v_hi, p_mid, acc0)
-        else:
-            acc1 = mma_v2(v_hi, p_hi, acc1)
-            acc1 = mma_v2(v_lo, p_hi, acc1)
-            acc1 = mma_v2(v_hi, p_mid, acc1)
-    return acc0, acc1
-
-
-@gluon.jit
-def _v_group_scales(v_scales):
-    """A tile's V scales from shared memory (``[4 half + warp, token, group]``, as copied): four ``[warp, token]``
-    fp32 tensors laid out as the logits' rows (token ``16 half + t`` of each warp)."""
-    both = gl.reshape(v_scales.load(_V_SCALES_ROWS).to(gl.float32), [2, 4, 16, 4])
-    return _by_group(gl.reshape(gl.permute(both, [1, 0, 2, 3]), [4, 32, 4]))
-
-
-@gluon.jit
-def _dither_sums(sums, weights, v_scales, beta, rest_alpha):
-    """A dithered V's two sums per (head, group), rescaled to the tile's max and with its tokens added, per thread
-    over its own tokens: ``W_g = sum_t p_t s_{t,g}`` (``sums[g]``) and ``Z_g = sum_t p_t s_{t,g} beta_t``
-    (``sums[4 + g]``). The output subtracts ``alpha_c W_g + Z_g`` (``_store_out``)."""
-    scales = _v_group_scales(v_scales)
-    weight_sums = ()
-    beta_sums = ()
-    for g in gl.static_range(4):
-        scaled = weights * scales[g][:, :, None]
-        weight_sums = weight_sums + (sums[g] * rest_alpha + _thread_sum(scaled),)
-        beta_sums = beta_sums + (sums[4 + g] * rest_alpha + _thread_sum(scaled * beta[:, :, None]),)
-    return weight_sums + beta_sums
-
-
-@gluon.jit
-def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr):
-    """Channel group ``g`` of the tile: one MMA of ``-code`` with q, started from the dither's share
-    ``sum(q_g alpha_g)`` (``q_alpha_sums``, per head), so that it computes ``-q_g . (code_g - alpha_g)``; scaled
-    by ``scale`` into the negated logits (the softmax scale undoes the sign)."""
-    codes = k_tiles[g].load(_K_GROUP)
-    code_op = gl.convert_layout(_relabel_group(_neg_codes(codes), 2), _OP_A)
-    q_alpha = q_alpha_sums.index(g).load(_HEAD_ROW)
-    start = q_alpha[:, None, :].broadcast_to(4, 32, 8)
-    part = mma_v2(code_op, q_ops[g], start)
-    return logits + part * scale[:, :, None]
-
-
-@gluon.jit
-def _thread_sum(x):
-    """``[warp, token, head]`` (logits' layout) summed over the four tokens each thread holds (token bits 3
-    and 4 are register bits): ``[warp, token % 8, head]``, no lane exchange."""
-    return gl.sum(gl.reshape(x, [4, 4, 8, 8]), axis=1)
-
-
-@gluon.jit
-def _thread_max(slots):
-    """``[warp, token]`` (the logits' token layout) reduced to its maximum over the four tokens each thread
-    holds: ``[warp, token % 8]``, one register a thread, no lane exchange."""
-    return gl.max(gl.reshape(slots, [4, 4, 8]), axis=1)
-
-
-@gluon.jit
-def _rescaled_fold(rescaled, tile, fold_row, fold):
-    """A per-thread rest sum after a tile: the old one ``rescaled`` to the new max, plus the tile's terms and,
-    on lane row 0, the token that stops being held apart."""
-    return (
-        rescaled
-        + tile
-        + gl.where(fold_row, gl.convert_layout(fold, gl.SliceLayout(1, rescaled.type.layout))[:, None, :], 0.0)
-    )
-
-
-@gluon.jit
-def _store_out(
-    PartOut, acc, warp_weight, total, poison, part_heads, split, num_heads, NUM_SPLITS: gl.constexpr,
-    half: gl.constexpr, V_DITHER: gl.constexpr, v_alpha_ptr, dither_sums,
-):  # fmt: skip
-    """The four warps' output of one channel half, merged and normalised, into the split's partial row; with a
-    dithered V, less ``alpha_c W_g + Z_g`` (``dither_sums``: the four ``W_g``, then the four ``Z_g``, per head;
-    ``v_alpha_ptr``: the KV head's ``alpha``)."""
-    out = gl.sum(acc * warp_weight[:, None, :], axis=0)  # [64, 8]
-    out_l: gl.constexpr = out.type.layout
-    mma_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
-    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))[None, :]
-    # MMA row m of channel half h holds channel 16 (m % 8) + 8 h + m // 8 (_pv_tokens, _relabel_v).
-    channels = 16 * (mma_rows % 8) + 8 * half + mma_rows // 8
-    total = gl.convert_layout(total, gl.SliceLayout(0, out_l))[None, :]
-    out = out * (1.0 / _P_SCALE)
-    if V_DITHER:
-        group = channels // GROUP_SIZE
-        per_head: gl.constexpr = gl.SliceLayout(0, out_l)
-        weight_sum = gl.zeros([64, 8], gl.float32, out_l)
-        beta_sum = gl.zeros([64, 8], gl.float32, out_l)
-        for g in gl.static_range(4):
-            weight_sum = gl.where(group == g, gl.convert_layout(dither_sums[g], per_head)[None, :], weight_sum)
-            beta_sum = gl.where(group == g, gl.convert_layout(dither_sums[4 + g], per_head)[None, :], beta_sum)
-        out = out - (gl.load(v_alpha_ptr + channels) * weight_sum + beta_sum)
-    gl.store(
-        PartOut + ((part_heads + heads) * NUM_SPLITS + split) * HEAD_DIM + channels,
-        out / total + poison,
-        mask=heads < num_heads,
-    )
-
-
-@gluon.jit
-def _loop_start():
-    """The token loop's state before the first tile: per warp the running max and output accumulators; per thread
-    over its own tokens (``_thread_sum``, reduced over the lanes once per split) the sum of the weights and the
-    rest sums of B, U and P (tokens other than the running argmax; A1 = B + U), folded argmax terms going to lane
-    row 0 (``fold_row``); u and g at each warp's running argmax; the running maximum of the slots."""
-    running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
-    acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
-    running_sum = _thread_sum(gl.zeros([4, 32, 8], gl.float32, _MMA))
-    rest_l: gl.constexpr = running_sum.type.layout
-    fold_row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None] == 0
-    u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
-    slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, _TOKEN_ROW))
-    return running_max, acc0, acc1, running_sum, running_sum, running_sum, running_sum, u_max, u_max, slot_max, fold_row
-
-
-@gluon.jit
-def _certificate_tile(
-    logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops, tail,
-    fold_row, b_rest, u_rest, w_rest, u_max, g_max,
-):  # fmt: skip
-    """One tile's certificate terms: the radius from its K scales, its argmax held apart, the rest sums ``B``,
-    ``U``, ``P`` rescaled to the new max with the tile's terms and the token that stops being held apart."""
-    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
-    index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
-    index = gl.convert_layout(index, _MMA)
-    tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
-    is_arg = index == tile_arg[:, None, :]
-    u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
-    g_arg = g_of(u_arg, True)
-    rest = (~is_arg) & token_ok[:, :, None]
-    # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
-    # the max moved into this tile, else this tile's argmax (weight weight_arg).
-    weight_arg = _exp2(tile_max - shift)
-    moved = tile_max > running_max
-    fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
-    fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
-    fold_w = gl.where(moved, alpha, weight_arg)
-    tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))
-    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
-    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u)
-    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, fold_w)
-    u_max = gl.where(moved, u_arg, u_max)
-    g_max = gl.where(moved, g_arg, g_max)
-    return b_rest, u_rest, w_rest, u_max, g_max
-
-
-@gluon.jit
-def _store_split(
-    acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
-    num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
-    PartPRest, PartU, NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
-):  # fmt: skip
-    """The split's partials from the token loop's state: the four warps merged (the stage-2 algebra, with each
-    warp's max in place of its LSE), the row poisoned where a slot was out of range."""
-    max_slot = (num_slots - 1).to(gl.uint32)
-    num_q_heads = NUM_KV_HEADS * KV_GROUP
-    running_sum = gl.convert_layout(gl.sum(running_sum, axis=1), _HEAD_ROW)
-    top = gl.max(running_max, axis=0)  # [8]
-    top_shift = gl.where(top == -_FP32_INF, 0.0, top)
-    warp_weight = gl.exp2(running_max - top_shift[None, :])  # [4, 8]
-    total = gl.sum(running_sum * warp_weight, axis=0)
-    safe_sum = gl.where(total > 0, total, 1.0)
-    slots_ok = row_ok & (gl.max(gl.max(slot_max, axis=1), axis=0) <= max_slot)
-    poison = gl.where(slots_ok, 0.0, (_FP32_INF - _FP32_INF))
-    part_heads = row * num_q_heads + kv_head * KV_GROUP + first_local
-    v_alpha_ptr = VAlpha + kv_head * HEAD_DIM
-    if V_DITHER:
-        # Each thread's sums over its lanes, then over the warps in the split's frame: per group and head.
-        head_sums = ()
-        for i in gl.static_range(8):
-            lanes = gl.convert_layout(gl.sum(dither_sums[i], axis=1), _HEAD_ROW)
-            head_sums = head_sums + (gl.sum(lanes * warp_weight, axis=0),)
-    else:
-        head_sums = ()
-    local_heads = KV_GROUP - first_local
-    _store_out(
-        PartOut, acc0, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 0, V_DITHER,
-        v_alpha_ptr, head_sums,
-    )  # fmt: skip
-    _store_out(
-        PartOut, acc1, warp_weight, safe_sum, poison, part_heads, split, local_heads, NUM_SPLITS, 1, V_DITHER,
-        v_alpha_ptr, head_sums,
-    )  # fmt: skip
-    heads_l: gl.constexpr = total.type.layout
-    local = first_local + gl.arange(0, 8, layout=heads_l)
-    head_ok = local < KV_GROUP
-    part_row = (row * num_q_heads + kv_head * KV_GROUP + local) * NUM_SPLITS + split
-    empty = total == 0
-    gl.store(PartLse + part_row, gl.where(empty, -_FP32_INF, top * _LN2 + gl.log(safe_sum)) + poison, mask=head_ok)
-    if CERTIFICATE:
-        live = running_sum > 0
-        warp_index = gl.arange(0, 4, layout=gl.SliceLayout(1, _HEAD_ROW))[:, None]
-        winner = gl.min(gl.where(live & (running_max == top[None, :]), warp_index, 4), axis=0)
-        loser = live & (warp_index != winner[None, :])
-        b_rest = gl.convert_layout(gl.sum(b_rest, axis=1), _HEAD_ROW)
-        # U_rest's terms take no `0 * inf` rule in the loop (it would spill): a weight that underflowed beside a
-        # radius that overflowed makes the sum NaN, and a NaN stays NaN through every later scaling and sum,
-        # so it is read here as the reference's +inf (``mul_nonneg``).
-        u_rest = inf_where_nan(gl.convert_layout(gl.sum(u_rest, axis=1), _HEAD_ROW))
-        w_rest = gl.convert_layout(gl.sum(w_rest, axis=1), _HEAD_ROW)
-        b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, mul_nonneg(warp_weight, g_max), 0.0), axis=0)
-        u = gl.sum(weighted(warp_weight, u_rest) + gl.where(loser, weighted(warp_weight, u_max), 0.0), axis=0)
-        p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
-        u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
-        gl.store(PartMax + part_row, top * _LN2 + poison, mask=head_ok)
-        gl.store(PartA1 + part_row, (b + u) / safe_sum + poison, mask=head_ok)
-        gl.store(PartB + part_row, b / safe_sum + poison, mask=head_ok)
-        gl.store(PartURest + part_row, u / safe_sum + poison, mask=head_ok)
-        gl.store(PartPRest + part_row, p / safe_sum + poison, mask=head_ok)
-        gl.store(PartU + part_row, u_top + poison, mask=head_ok)
-
-
-@gluon.jit
-def _query_operands(
-    Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP: gl.constexpr, sm_scale, beta, seq_len,
-    log_two_over_delta, CERTIFICATE: gl.constexpr,
-):  # fmt: skip
-    """What the token loop needs of the query: q^T per channel group relabelled like K (``q_ops``), the dither's
-    share per (head, group) and the radius operands in shared memory, the logits' scale and the radius' tail
-    multiplier ``c``."""
-    # q^T per channel group, relabelled like K, and its sums (the dither's offset, the radius operands).
-    q_chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_LOAD)))
-    q_head = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_LOAD)))
-    q_local = first_local + q_head
-    q_ptrs = Q + row * stride_qb + (kv_head * KV_GROUP + q_local)[None, None, :] * stride_qh + q_chan[None, :, None]
-    q_mask = (q_local < KV_GROUP)[None, None, :] & (q_chan < 32)[None, :, None]
-    q_ptrs = q_ptrs.broadcast_to(4, 32, 8)
-    q_mask = q_mask.broadcast_to(4, 32, 8)
-    # A bf16 query enters the MMAs as fp16, scaled per head by a power of two (undone with the softmax scale).
-    if Q.dtype.element_ty == gl.bfloat16:
-        q_scale = _q_scale(q_ptrs, q_mask)
-        logit_scale = gl.convert_layout(sm_scale * _NEG_LOG2E / q_scale, _HEAD_ROW)[:, None, :]
-    else:
-        q_scale = gl.full([4, 8], 1.0, gl.float32, gl.SliceLayout(1, _Q_LOAD))
-        logit_scale = sm_scale * _NEG_LOG2E
-    g0 = _q_group(q_ptrs, q_mask, 0, q_scale)
-    g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
-    g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
-    g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
-    q_ops = (g0[0], g1[0], g2[0], g3[0])
-    # The dither's share of each group, sum(q_g alpha_g) over the MMA operand (_qk_group), and the radius operands
-    # wait in shared memory, read once per tile: kept in registers through the loop they would cost more than
-    # the spills they save.
-    q_alpha_sums = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
-    alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
-    for g in gl.static_range(4):
-        alpha_g = gl.load(alpha_ptrs + g * GROUP_SIZE)[None, :, None]
-        operand = (g0, g1, g2, g3)[g][3]
-        q_alpha_sums.index(g).store(gl.sum(operand * alpha_g, axis=1))
-    radius_ops = (
-        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.float32, [4, 16, 8], _ROW_MAJOR),
-    )
-    if CERTIFICATE:
-        sigma_op, bias_op = _radius_operands((g0, g1, g2, g3), sm_scale * sm_scale / 12.0, sm_scale * beta)
-        radius_ops[0].store(sigma_op)
-        radius_ops[1].store(bias_op)
-    _barrier()
-
-    tail = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_two_over_delta))
-    return q_ops, q_alpha_sums, radius_ops, logit_scale, tail
+            async_load(v_tiles[2 * part + half], VCodes + rows + 8 * half, mask=live)
 
 
 @gluon.jit
 def decode_stage1_gluon(
-    Q,
-    KCodes,
-    KScales,
-    VCodes,
-    VScales,
-    KAlpha,
-    VAlpha,
-    KvStart,
-    KvLen,
-    KvIndices,
-    Skip,
-    PartOut,
-    PartLse,
-    PartMax,
-    PartA1,
-    PartB,
-    PartURest,
-    PartPRest,
-    PartU,
-    num_slots,
-    num_kv_indices,
-    stride_qb,
-    stride_qh,
-    sm_scale,
-    log_two_over_delta,
-    beta,
-    seed,
-    layer,
-    NUM_KV_HEADS: gl.constexpr,
-    KV_GROUP: gl.constexpr,
-    CERTIFICATE: gl.constexpr,
-    V_DITHER: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-    OFFSETS_64: gl.constexpr,
-    NUM_SPLITS: gl.constexpr,
-):
+    Q, KCodes, KScales, VCodes, VScales, KAlpha, VAlpha, KvStart, KvLen, KvIndices, Skip,
+    PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU,
+    num_slots, num_kv_indices, stride_qb, stride_qh, sm_scale, log_two_over_delta, beta, seed, layer,
+    NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
+    HAS_SKIP: gl.constexpr, OFFSETS_64: gl.constexpr, NUM_SPLITS: gl.constexpr,
+):  # fmt: skip
     """One (row, block of 8 query heads, split): the outputs of ``triton_kernels.decode_stage1``."""
     row = gl.program_id(0)
     head_block = gl.program_id(1)
@@ -856,51 +130,43 @@ def decode_stage1_gluon(
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
-    q_ops, q_alpha_sums, radius_ops, logit_scale, tail = _query_operands(
+    q_ops, q_alpha_sums, radius_ops, logit_scale, tail = query_operands(
         Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,
         log_two_over_delta, CERTIFICATE,
     )  # fmt: skip
 
     # Index tensors of each layout the loop loads through.
-    warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, _TOKEN_ROW))[:, None] * TOKENS
-    tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :]  # [4, 32]
-    v_tok_l: gl.constexpr = gl.SliceLayout(2, _V_LOAD)
+    warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, TOKEN_ROW))[:, None] * TOKENS
+    tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, TOKEN_ROW))[None, :]  # [4, 32]
+    v_tok_l: gl.constexpr = gl.SliceLayout(2, V_LOAD)
     tok_v = (
         gl.arange(0, 4, layout=gl.SliceLayout(1, v_tok_l))[:, None] * TOKENS
         + gl.arange(0, 16, layout=gl.SliceLayout(0, v_tok_l))[None, :]
     )
 
-    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = _loop_start()
-    rest_l: gl.constexpr = running_sum.type.layout
+    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = loop_start()
     max_slot = (num_slots - 1).to(gl.uint32)
-    # A dithered V's sums (_dither_sums; unused otherwise) and the counter word 3 of its per-slot Philox call,
-    # kv_head | kind << 31.
-    dither_sums = (running_sum,) * 8
-    if V_DITHER:
-        v_head_word = kv_head.to(gl.uint32) | (1 << 31)
-        tok_lanes = (
-            gl.arange(0, 4, layout=gl.SliceLayout(1, _SLOT_LANES))[:, None] * TOKENS
-            + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _SLOT_LANES))[None, :]
-        )
+    dither_sums = (running_sum,) * 8  # a dithered V's sums (v_dither_tile; unused otherwise)
 
     # Codes in shared memory, one tile ahead: tile i + 1's K is copied while tile i's softmax, PV and
     # certificate run, and its V while tile i + 1's QK runs. Copies are committed in the order K(0), V(0),
     # K(1), V(1), ..., so waiting until one group is left in flight completes the older of the two.
     # Separate buffers: the membar analysis would order copies into one buffer's parts by barriers.
     k_tiles = (
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
+        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
     )
     v_tiles = (
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
-        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], _V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], V_SHARED),
+        gl.allocate_shared_memory(gl.uint8, [4, 16, 64], V_SHARED),
     )
-    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _ROW_MAJOR_2D)
-    v_scales = gl.allocate_shared_memory(gl.float16, [8, 16, 4], _ROW_MAJOR)
+    # K's scales double-buffered: the certificate reads tile i's while tile i + 1's are copied.
+    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], ROW_MAJOR_2D)
+    v_scales = gl.allocate_shared_memory(gl.float16, [8, 16, 4], ROW_MAJOR)
     # The scale copies' tokens (one per lane) and groups: K [128]; V [4 half + warp, 16], token 32 warp +
     # 16 half + t.
     tok_ks = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _K_SCALES_COPY))
@@ -912,7 +178,7 @@ def decode_stage1_gluon(
     )
     groups_vs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
     slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
-    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)
+    _copy_k(k_tiles, KCodes, slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)
     rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)
     _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)
     async_copy.commit_group()
@@ -926,15 +192,12 @@ def decode_stage1_gluon(
     async_copy.commit_group()
     stage = 0
     for start in range(lo, hi, BLOCK_N):
-        # The tile's tokens, read clamped rather than masked: a token past the end or out of range reads
-        # a real slot (codes and scales are finite; the copies of tokens past the end are zero-filled). One
-        # past the end weighs nothing (token_ok); one out of range poisons the row (slot_max).
         offs = start + tok_t
         in_split = offs < hi
         # The next tile's rows, for its copies (loaded now, used after this tile's QK and PV).
         next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))
         next_v = start + BLOCK_N + tok_v
-        next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
+        next_base = slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)
         # V's rows are K's, redistributed (tokens 0-15 and 16-31 of each warp) within the warp.
         v_halves = gl.split(gl.permute(gl.reshape(next_base, [4, 2, 16]), [0, 2, 1]))
         next_v_bases = (gl.convert_layout(v_halves[0], v_tok_l), gl.convert_layout(v_halves[1], v_tok_l))
@@ -944,57 +207,31 @@ def decode_stage1_gluon(
         next_v_scale_rows = _token_base(
             KvIndices, kv_start, start + BLOCK_N + tok_vs, hi, num_slots, NUM_KV_HEADS, kv_head
         )
-        # An out-of-range slot (negative ones are past 2**31 as unsigned) poisons the row after the loop
-        # (slot_max); until then it reads a real slot, so the tile needs no mask for it.
-        slot_max = gl.maximum(slot_max, _thread_max(slots.to(gl.uint32)))
-        token_ok = in_split
-        safe_slots = gl.minimum(slots.to(gl.uint32), max_slot)
-        if HAS_SKIP:
-            base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head  # Skip has one byte per row: 32 bits suffice
-            token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
+        token_ok, slot_max = tile_tokens(slots, in_split, slot_max, max_slot, Skip, kv_head, NUM_KV_HEADS, HAS_SKIP)
 
         async_copy.wait_group(1)  # this tile's K
         tile_scales = k_scales.index(stage)
-        group_scales = _k_group_scales(tile_scales)
-        logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
-        for g in gl.static_range(4):
-            logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g)
+        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()
-        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)
-
-        tile_max = gl.max(logits, axis=1)
-        new_max = gl.maximum(running_max, tile_max)
-        shift = gl.where(new_max == -_FP32_INF, 0.0, new_max)
-        alpha = _exp2(running_max - shift)
-        weights = _exp2(logits - shift[:, None, :])
-        rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
-        running_sum = running_sum * rest_alpha + _thread_sum(weights)
-
-        # PV in two halves of 16 tokens per warp (token bit 4 of the logits is a register bit).
-        halves = gl.permute(gl.reshape(weights * _P_SCALE, [4, 2, 16, 8]), [0, 2, 3, 1])
-        first, second = gl.split(halves)
-        acc0 = _rescaled(acc0, alpha[:, None, :].broadcast_to(4, 64, 8))
-        acc1 = _rescaled(acc1, alpha[:, None, :].broadcast_to(4, 64, 8))
+        logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
+            softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
+        )
         async_copy.wait_group(1)  # this tile's V
-        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
-        acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
+        acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
+        acc0, acc1 = pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
         if V_DITHER:
-            # beta_t, one Philox call per token in a layout of one token per lane, then to the logits' rows.
-            lane_slots = gl.load(KvIndices + kv_start + gl.minimum(start + tok_lanes, hi - 1))
-            lane_slots = gl.minimum(lane_slots.to(gl.uint32), max_slot)
-            v_beta = slot_dither(slot_word(seed, lane_slots, layer, v_head_word), 8)
-            v_beta = gl.convert_layout(v_beta, _TOKEN_ROW)
-            dither_sums = _dither_sums(dither_sums, weights, v_scales, v_beta, rest_alpha)
+            dither_sums = v_dither_tile(dither_sums, KvIndices, kv_start, start, hi, max_slot, seed, layer, kv_head,
+                                        weights, v_scales, rest_alpha)  # fmt: skip
         _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)
         _copy_scales(v_scales, VScales, next_v_scale_rows, start + BLOCK_N + tok_vs, hi, groups_vs)
         async_copy.commit_group()
 
-        # The certificate after PV, so that none of V's registers is live through it.
+        # The certificate after PV, so that none of V's registers is live through it; the radius from the scales
+        # read again, so that nothing of it stays live through QK and PV.
         if CERTIFICATE:
-            # The radius from the scales read again: nothing of it stays live through QK and PV.
-            b_rest, u_rest, w_rest, u_max, g_max = _certificate_tile(
+            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
                 tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
             )  # fmt: skip
@@ -1004,7 +241,7 @@ def decode_stage1_gluon(
         stage = 1 - stage
     async_copy.wait_group(0)  # the copies of the tile past the end (all masked) before the memory is freed
 
-    _store_split(
+    store_split(
         acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
         num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
         PartPRest, PartU, NUM_KV_HEADS, KV_GROUP, NUM_SPLITS, CERTIFICATE, V_DITHER,

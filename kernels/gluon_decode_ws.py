@@ -1,8 +1,8 @@
-"""Decode stage 1, warp-specialised: a producer warpgroup keeps a ring of tiles in shared memory full, and the four
-consumer warps of ``gluon_decode`` compute on it.
+"""Decode stage 1, warp-specialised: a producer warpgroup keeps a ring of tiles in shared memory full, and four
+consumer warps compute on it.
 
-The arithmetic is ``gluon_decode``'s, line for line (its helpers are imported: the same operands, the same
-exactness, the same partials for stage 2): what changes is who moves the bytes. In ``gluon_decode`` the four
+The arithmetic is ``gluon_decode``'s: both run ``gluon_tiles``'s tile functions (the same operands, the same
+exactness, the same partials for stage 2); what changes is who moves the bytes. In ``gluon_decode`` the four
 warps that do the math also issue every copy of the next tile, wait for it (``cp.async.wait_group``) and meet at
 four CTA barriers per tile. Here:
 
@@ -22,7 +22,7 @@ warps; Triton raises the consumers' share with ``setmaxnreg``).
 Why a ``cp.async`` producer and not TMA: the decode call addresses tokens by slot, in any order (SGLang's page
 size 1), and a TMA box per 128-byte token row is one instruction per token and side from one thread
 (``bench/lab/copy_mechanisms.py`` measures both); ``cp.async`` takes each lane's own address. Coverage as
-``gluon_decode.supports``, on Hopper (``setmaxnreg`` and the mbarriers: compute capability 9.0). Off by default
+``gluon_tiles.supports``, on Hopper (``setmaxnreg`` and the mbarriers: compute capability 9.0). Off by default
 (``LAUNCH.gluon_ws``): docs/KERNELS.md, "Warp-specialised stage 1", has its measurements.
 """
 
@@ -33,54 +33,39 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from witcert.kernels.gluon_decode import (
-    _FP32_INF,
-    _MMA,
-    _P_SCALE,
-    _ROW_MAJOR,
-    _ROW_MAJOR_2D,
-    _SLOT_LANES,
-    _TOKEN_ROW,
-    _V_SHARED,
+from witcert.kernels.gluon_tiles import (
     BLOCK_N,
     GROUP_SIZE,
     HEAD_DIM,
     HEADS,
-    NUM_WARPS,
+    ROW_MAJOR,
+    ROW_MAJOR_2D,
+    TOKEN_ROW,
     TOKENS,
-    _certificate_tile,
-    _dither_sums,
-    _exp2,
-    _k_group_scales,
-    _loop_start,
-    _pv_tokens,
-    _qk_group,
-    _query_operands,
-    _rescaled,
-    _slot_row,
-    _store_split,
-    _thread_max,
-    _thread_sum,
-    supports,
+    V_SHARED,
+    async_load,
+    certificate_tile,
+    loop_start,
+    pv_tokens,
+    qk_tile,
+    query_operands,
+    slot_row,
+    softmax_tile,
+    store_split,
+    tile_tokens,
+    v_dither_tile,
 )
-from witcert.kernels.triton_kernels import (
-    slot_dither,
-    slot_word,
-    split_range,
-)
-
-__all__ = ["HEADS", "NUM_WARPS", "PRODUCER_REGS", "STAGES", "supports"]
+from witcert.kernels.triton_kernels import split_range
 
 STAGES = gl.constexpr(2)
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(24)
-_async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 _BARRIER = gl.constexpr(mbarrier.MBarrierLayout())
 # The producer's copies, 16 bytes a thread where the consumers' buffers hold 16 contiguous bytes: K codes of one
 # group ``[warp, token, 32]`` (a token row's 32 bytes are contiguous in the pool and in the buffer), two per thread.
 _P_K = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
-# V codes ``[warp, token, 64]``: index ``c`` is channel ``16 (c // 8) + 8 half + c % 8`` (gluon_decode._copy_v), so 8
-# contiguous bytes, four per thread.
+# V codes ``[warp, token, 64]``: index ``c`` is channel ``16 (c // 8) + 8 half + c % 8`` (``gluon_tiles.V_LOAD``),
+# so 8 contiguous bytes, four per thread.
 _P_V = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
 # Scales, a token's four groups (8 bytes) per thread: K ``[token, group]``, V ``[4 half + warp, token, group]``.
 _P_KS = gl.constexpr(gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0]))
@@ -91,7 +76,7 @@ _P_VS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0
 def _produce(k_ring, v_ring, ks_ring, vs_ring, full, empty, KCodes, KScales, VCodes, VScales, KvIndices, kv_start, lo,
              hi, num_slots, kv_head, NUM_KV_HEADS: gl.constexpr, OFFSETS_64: gl.constexpr):  # fmt: skip
     """Fill ring stage ``i % STAGES`` with tile ``i``'s codes and scales once the consumers freed it; tokens past
-    ``hi`` are zero-filled, an out-of-range slot reads a real one (``_slot_row``: the consumers poison its row)."""
+    ``hi`` are zero-filled, an out-of-range slot reads a real one (``slot_row``: the consumers poison its row)."""
     k_tok = (
         gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _P_K)))[:, None] * TOKENS
         + gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _P_K)))[None, :]
@@ -118,26 +103,26 @@ def _produce(k_ring, v_ring, ks_ring, vs_ring, full, empty, KCodes, KScales, VCo
     phase = 0
     for start in range(lo, hi, BLOCK_N):
         mbarrier.wait(empty.index(stage), phase ^ 1)
-        rows = _slot_row(gl.load(KvIndices + kv_start + gl.minimum(start + k_tok, hi - 1)), num_slots, NUM_KV_HEADS,
+        rows = slot_row(gl.load(KvIndices + kv_start + gl.minimum(start + k_tok, hi - 1)), num_slots, NUM_KV_HEADS,
                          kv_head)  # fmt: skip
         live = (start + k_tok < hi) & (k_chan >= 0)
         for g in gl.static_range(4):
-            _async_load(k_ring.index(4 * stage + g), KCodes + rows.to(offset_ty) * HEAD_DIM + g * GROUP_SIZE + k_chan,
+            async_load(k_ring.index(4 * stage + g), KCodes + rows.to(offset_ty) * HEAD_DIM + g * GROUP_SIZE + k_chan,
                         mask=live)  # fmt: skip
         for part in gl.static_range(2):
             offs = start + 16 * part + v_tok
-            rows = _slot_row(gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1)), num_slots, NUM_KV_HEADS,
+            rows = slot_row(gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1)), num_slots, NUM_KV_HEADS,
                              kv_head)  # fmt: skip
             live = (offs < hi) & (v_chan >= 0)
             for half in gl.static_range(2):
-                _async_load(v_ring.index(4 * stage + 2 * part + half),
+                async_load(v_ring.index(4 * stage + 2 * part + half),
                             VCodes + rows.to(offset_ty) * HEAD_DIM + v_chan + 8 * half, mask=live)  # fmt: skip
         offs = start + ks_tok
-        rows = _slot_row(gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1)), num_slots, NUM_KV_HEADS, kv_head)
-        _async_load(ks_ring.index(stage), KScales + rows * 4 + ks_group, mask=(offs < hi) & (ks_group >= 0))
+        rows = slot_row(gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1)), num_slots, NUM_KV_HEADS, kv_head)
+        async_load(ks_ring.index(stage), KScales + rows * 4 + ks_group, mask=(offs < hi) & (ks_group >= 0))
         offs = start + vs_tok
-        rows = _slot_row(gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1)), num_slots, NUM_KV_HEADS, kv_head)
-        _async_load(vs_ring.index(stage), VScales + rows * 4 + vs_group, mask=(offs < hi) & (vs_group >= 0))
+        rows = slot_row(gl.load(KvIndices + kv_start + gl.minimum(offs, hi - 1)), num_slots, NUM_KV_HEADS, kv_head)
+        async_load(vs_ring.index(stage), VScales + rows * 4 + vs_group, mask=(offs < hi) & (vs_group >= 0))
         async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
         stage += 1
         if stage == STAGES:
@@ -152,19 +137,12 @@ def _consume(
     V_DITHER: gl.constexpr, HAS_SKIP: gl.constexpr,
 ):  # fmt: skip
     """``gluon_decode``'s token loop on the ring: the loop state after the split's last tile."""
-    warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, _TOKEN_ROW))[:, None] * TOKENS
-    tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _TOKEN_ROW))[None, :]  # [4, 32]
+    warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, TOKEN_ROW))[:, None] * TOKENS
+    tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, TOKEN_ROW))[None, :]  # [4, 32]
 
-    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = _loop_start()
-    rest_l: gl.constexpr = running_sum.type.layout
+    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = loop_start()
     max_slot = (num_slots - 1).to(gl.uint32)
-    dither_sums = (running_sum,) * 8
-    if V_DITHER:
-        v_head_word = kv_head.to(gl.uint32) | (1 << 31)
-        tok_lanes = (
-            gl.arange(0, 4, layout=gl.SliceLayout(1, _SLOT_LANES))[:, None] * TOKENS
-            + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, _SLOT_LANES))[None, :]
-        )
+    dither_sums = (running_sum,) * 8  # a dithered V's sums (v_dither_tile; unused otherwise)
 
     slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
     stage = 0
@@ -173,49 +151,27 @@ def _consume(
         offs = start + tok_t
         in_split = offs < hi
         next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))
-        slot_max = gl.maximum(slot_max, _thread_max(slots.to(gl.uint32)))
-        token_ok = in_split
-        safe_slots = gl.minimum(slots.to(gl.uint32), max_slot)
-        if HAS_SKIP:
-            base = safe_slots.to(gl.int32) * NUM_KV_HEADS + kv_head
-            token_ok = token_ok & (gl.load(Skip + base, mask=token_ok, other=1) == 0)
+        token_ok, slot_max = tile_tokens(slots, in_split, slot_max, max_slot, Skip, kv_head, NUM_KV_HEADS, HAS_SKIP)
 
         mbarrier.wait(full.index(stage), phase)
         k_tiles = (k_ring.index(4 * stage), k_ring.index(4 * stage + 1), k_ring.index(4 * stage + 2),
                    k_ring.index(4 * stage + 3))  # fmt: skip
         tile_scales = ks_ring.index(stage)
-        group_scales = _k_group_scales(tile_scales)
-        logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
-        for g in gl.static_range(4):
-            logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g)
-        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)
-
-        tile_max = gl.max(logits, axis=1)
-        new_max = gl.maximum(running_max, tile_max)
-        shift = gl.where(new_max == -_FP32_INF, 0.0, new_max)
-        alpha = _exp2(running_max - shift)
-        weights = _exp2(logits - shift[:, None, :])
-        rest_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, rest_l))[:, None, :]
-        running_sum = running_sum * rest_alpha + _thread_sum(weights)
-
-        halves = gl.permute(gl.reshape(weights * _P_SCALE, [4, 2, 16, 8]), [0, 2, 3, 1])
-        first, second = gl.split(halves)
-        acc0 = _rescaled(acc0, alpha[:, None, :].broadcast_to(4, 64, 8))
-        acc1 = _rescaled(acc1, alpha[:, None, :].broadcast_to(4, 64, 8))
+        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)
+        logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
+            softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
+        )
         tile_v_scales = vs_ring.index(stage)
-        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_ring.index(4 * stage), v_ring.index(4 * stage + 1)),
-                                tile_v_scales.slice(0, 4))  # fmt: skip
-        acc0, acc1 = _pv_tokens(acc0, acc1, second, (v_ring.index(4 * stage + 2), v_ring.index(4 * stage + 3)),
-                                tile_v_scales.slice(4, 4))  # fmt: skip
+        acc0, acc1 = pv_tokens(acc0, acc1, first, (v_ring.index(4 * stage), v_ring.index(4 * stage + 1)),
+                               tile_v_scales.slice(0, 4))  # fmt: skip
+        acc0, acc1 = pv_tokens(acc0, acc1, second, (v_ring.index(4 * stage + 2), v_ring.index(4 * stage + 3)),
+                               tile_v_scales.slice(4, 4))  # fmt: skip
         if V_DITHER:
-            lane_slots = gl.load(KvIndices + kv_start + gl.minimum(start + tok_lanes, hi - 1))
-            lane_slots = gl.minimum(lane_slots.to(gl.uint32), max_slot)
-            v_beta = slot_dither(slot_word(seed, lane_slots, layer, v_head_word), 8)
-            v_beta = gl.convert_layout(v_beta, _TOKEN_ROW)
-            dither_sums = _dither_sums(dither_sums, weights, tile_v_scales, v_beta, rest_alpha)
+            dither_sums = v_dither_tile(dither_sums, KvIndices, kv_start, start, hi, max_slot, seed, layer, kv_head,
+                                        weights, tile_v_scales, rest_alpha)  # fmt: skip
 
         if CERTIFICATE:
-            b_rest, u_rest, w_rest, u_max, g_max = _certificate_tile(
+            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
                 tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
             )  # fmt: skip
@@ -239,7 +195,7 @@ def decode_stage1_ws(
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
     HAS_SKIP: gl.constexpr, OFFSETS_64: gl.constexpr, NUM_SPLITS: gl.constexpr,
 ):  # fmt: skip
-    """One (row, block of 8 query heads, split): the outputs of ``gluon_decode._decode_stage1_gluon``."""
+    """One (row, block of 8 query heads, split): the outputs of ``gluon_decode.decode_stage1_gluon``."""
     row = gl.program_id(0)
     head_block = gl.program_id(1)
     split = gl.program_id(2)
@@ -249,16 +205,16 @@ def decode_stage1_ws(
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
-    q_ops, q_alpha_sums, radius_ops, logit_scale, tail = _query_operands(
+    q_ops, q_alpha_sums, radius_ops, logit_scale, tail = query_operands(
         Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,
         log_two_over_delta, CERTIFICATE,
     )  # fmt: skip
 
     # The ring: per stage the four K group buffers, the four V buffers (gluon_decode's layouts) and the scales.
-    k_ring = gl.allocate_shared_memory(gl.uint8, [4 * STAGES, 4, 32, 32], _ROW_MAJOR)
-    v_ring = gl.allocate_shared_memory(gl.uint8, [4 * STAGES, 4, 16, 64], _V_SHARED)
-    ks_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 4], _ROW_MAJOR_2D)
-    vs_ring = gl.allocate_shared_memory(gl.float16, [STAGES, 8, 16, 4], _ROW_MAJOR)
+    k_ring = gl.allocate_shared_memory(gl.uint8, [4 * STAGES, 4, 32, 32], ROW_MAJOR)
+    v_ring = gl.allocate_shared_memory(gl.uint8, [4 * STAGES, 4, 16, 64], V_SHARED)
+    ks_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 4], ROW_MAJOR_2D)
+    vs_ring = gl.allocate_shared_memory(gl.float16, [STAGES, 8, 16, 4], ROW_MAJOR)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], _BARRIER)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], _BARRIER)
     for s in gl.static_range(STAGES):
@@ -297,7 +253,7 @@ def decode_stage1_ws(
     ) = state
     dither_sums = (d0, d1, d2, d3, d4, d5, d6, d7)
 
-    _store_split(
+    store_split(
         acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
         num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
         PartPRest, PartU, NUM_KV_HEADS, KV_GROUP, NUM_SPLITS, CERTIFICATE, V_DITHER,

@@ -1,4 +1,5 @@
-"""The Gluon decode stage 1 (``kernels/gluon_decode.py``) run in Triton's CPU interpreter, for the contract tests.
+"""The Gluon decode stage 1s (``kernels/gluon_decode.py``, ``kernels/gluon_decode_ws.py``, and the tile functions of
+``kernels/gluon_tiles.py`` they call) run in Triton's CPU interpreter, for the contract tests.
 
 Gluon has no interpreter. Its kernels are Python functions over tensors whose layouts say where each element
 lives (which thread, which register), never what it is, so Triton's interpreter can run them with the layouts
@@ -27,6 +28,7 @@ Partitions that all wait with nothing left to run raise (a deadlock).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -107,7 +109,7 @@ def _neg_codes(codes: np.ndarray) -> np.ndarray:
 
 def _v_pairs(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``[warp, 16 tokens, 64]`` codes and their scales -> ``(hi, lo)``: value at (token 2T + x, index 4C + 2y + z)
-    from token 2T + z, index 4C + 2x + y (``gluon_decode._v_pairs`` and ``_relabel_v``)."""
+    from token 2T + z, index 4C + 2x + y (``gluon_tiles._v_pairs`` and ``_relabel_v``)."""
     product = (codes.astype(np.float64) - 128.0) * scales.astype(np.float64)  # exact
     hi = product.astype(np.float16)
     lo = (product - hi.astype(np.float64)).astype(np.float16)
@@ -306,46 +308,57 @@ def _block_layout(self: tl.block_type) -> None:
 
 
 def emulated(module: types.ModuleType) -> types.SimpleNamespace:
-    """``module`` (``gluon_decode`` or another version of it) with its kernels runnable in Triton's interpreter:
-    an object with the attributes ``attention.py`` reads (``decode_stage1_gluon[grid](...)``, ``HEADS``,
-    ``NUM_WARPS``, ``supports``). Needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` was imported (its
-    helpers, which the Gluon kernel calls, must be interpreted too)."""
+    """``module`` (``gluon_decode``, ``gluon_decode_ws`` or another version of one) with its kernel runnable in
+    Triton's interpreter: an object with the attribute ``attention.py`` launches (``decode_stage1_gluon[grid](...)``
+    or ``decode_stage1_ws``). Needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` was imported (its helpers,
+    which the Gluon kernel calls, must be interpreted too)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("gluon_emulation runs in Triton's interpreter: set TRITON_INTERPRET=1 before importing")
     # `x.type.layout` (a tensor's layout, read to build others) is None here.
     if not hasattr(tl.block_type, "layout"):
         tl.block_type.layout = property(_block_layout)
-    # Module-level constexprs as plain values, as the interpreter passes a kernel's constexpr arguments: a
-    # constexpr plus a tensor would be a constexpr holding a tensor.
-    # A kernel that imports another module's Gluon helpers needs that module's names too (the helpers' own).
-    sources = {value.fn.__module__ for value in vars(module).values() if isinstance(value, GluonJITFunction)}
-    namespace = {}
-    for source in sorted(sources - {module.__name__}):
-        namespace.update((name, _value(value)) for name, value in vars(sys.modules[source]).items())
-    namespace.update((name, _value(value)) for name, value in vars(module).items())
-    namespace.update(
-        gl=_GL,
-        tl=tl,
-        async_copy=_ASYNC_COPY,
-        mbarrier=_MBARRIER,
-        mma_v2=_mma_v2,
-        _barrier=_noop,
-        _async_load=_async_load,
-    )
-    default_warps = int(_value(module.NUM_WARPS))
+    from witcert.kernels.gluon_tiles import NUM_WARPS  # the kernels' launch (attention.py)
+
     _GL.warp_specialize = lambda functions_and_args, worker_num_warps, worker_num_regs=None: _PARTITIONS.run(
-        functions_and_args, [default_warps, *(_index(w) for w in worker_num_warps)]
+        functions_and_args, [NUM_WARPS, *(_index(w) for w in worker_num_warps)]
     )
-    if "g_of" in namespace:
-        # g's fast exponential is inline PTX (compiled code only); the interpreter takes its exact route.
-        g_of = namespace["g_of"]
-        namespace["g_of"] = lambda u, FAST_EXP=False: g_of(u, False)
-    for name, value in list(namespace.items()):
-        if isinstance(value, GluonJITFunction):
-            original = value.fn
-            function: Callable = types.FunctionType(
-                original.__code__, namespace, original.__name__, original.__defaults__, original.__closure__
-            )
-            namespace[name] = InterpretedFunction(function)
+    # Each Gluon function runs in an emulated copy of its own module's namespace (the module's kernel, and the
+    # modules whose Gluon functions it calls, in turn: gluon_tiles): module-level constexprs as plain values, as
+    # the interpreter passes a kernel's constexpr arguments (a constexpr plus a tensor would be a constexpr
+    # holding a tensor), and the Gluon-only calls emulated.
+    modules, pending = {}, [module]
+    while pending:
+        current = pending.pop()
+        if current.__name__ not in modules:
+            modules[current.__name__] = current
+            pending += [
+                sys.modules[value.fn.__module__]
+                for value in vars(current).values()
+                if isinstance(value, GluonJITFunction) and value.fn.__module__ != current.__name__
+            ]
+    namespaces = {}
+    for name, current in modules.items():
+        namespace = {key: _value(value) for key, value in vars(current).items()}
+        namespace.update(
+            gl=_GL, tl=tl, async_copy=_ASYNC_COPY, mbarrier=_MBARRIER, mma_v2=_mma_v2, _barrier=_noop,
+            async_load=_async_load,
+        )  # fmt: skip
+        if "g_of" in namespace:
+            # g's fast exponential is inline PTX (compiled code only); the interpreter takes its exact route.
+            namespace["g_of"] = functools.partial(lambda g_of, u, FAST_EXP=False: g_of(u, False), namespace["g_of"])
+        namespaces[name] = namespace
+    interpreted: dict[int, InterpretedFunction] = {}
+    for namespace in namespaces.values():
+        for key, value in list(namespace.items()):
+            if isinstance(value, GluonJITFunction):
+                if id(value) not in interpreted:
+                    original = value.fn
+                    function: Callable = types.FunctionType(
+                        original.__code__, namespaces[original.__module__], original.__name__,
+                        original.__defaults__, original.__closure__,
+                    )  # fmt: skip
+                    interpreted[id(value)] = InterpretedFunction(function)
+                namespace[key] = interpreted[id(value)]
+    namespace = namespaces[module.__name__]
     kernels = {name: namespace[name] for name in ("decode_stage1_gluon", "decode_stage1_ws") if name in namespace}
-    return types.SimpleNamespace(**kernels, HEADS=module.HEADS, NUM_WARPS=module.NUM_WARPS, supports=module.supports)
+    return types.SimpleNamespace(**kernels)

@@ -64,13 +64,12 @@ def compile_cubin(
     if kernel_name == "gluon":
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from witcert.kernels import gluon_decode
+        from witcert.kernels import gluon_decode, gluon_tiles
 
-        gluon_decode = gluon_module or gluon_decode
-        kernel, source_type = gluon_decode.decode_stage1_gluon, GluonASTSource
+        kernel, source_type = (gluon_module or gluon_decode).decode_stage1_gluon, GluonASTSource
         constants = dict(_GLUON_SHAPE, CERTIFICATE=certificate, OFFSETS_64=offsets_64, V_DITHER=v_dither)
         cap = LAUNCH.gluon_maxnreg if certificate else LAUNCH.gluon_maxnreg_nocert
-        options = {"num_warps": gluon_decode.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
+        options = {"num_warps": gluon_tiles.NUM_WARPS, **({"maxnreg": cap} if cap else {})}
     else:
         kernel, source_type = triton_kernels.decode_stage1, ASTSource
         constants = dict(

@@ -27,7 +27,7 @@ from kernel_cases import (  # noqa: E402
 )
 
 import witcert.kernels  # noqa: E402
-from witcert.kernels import attention, decode_attention, gluon_decode, reference  # noqa: E402
+from witcert.kernels import attention, decode_attention, gluon_decode, gluon_tiles, reference  # noqa: E402
 
 pytestmark = interpreter_only("the GPU runs the Gluon kernel compiled: test_kernels_gpu.py")
 
@@ -145,7 +145,7 @@ def test_emulated_gluon_rescales_bf16_queries_outside_the_fp16_range(run_gluon, 
 def test_neg_codes_ptx_gives_minus_each_stored_code_as_emulated():
     """Every stored byte in each of the four positions of a word: element i of the two f16x2 out is ``-code``
     of byte i, as ``gluon_emulation._neg_codes`` computes."""
-    asm = gluon_decode._neg_codes.fn.__code__.co_consts
+    asm = gluon_tiles._neg_codes.fn.__code__.co_consts
     text = next(c for c in asm if isinstance(c, str) and "prmt" in c)
     for base in range(256):
         stored = np.array([(base + 67 * i) % 256 for i in range(4)], dtype=np.uint8)
@@ -158,9 +158,9 @@ def test_v_pairs_ptx_matches_the_emulation_in_the_layouts_register_order():
     """The pairing asm on two tokens of four channels: its eight (hi, lo) outputs, placed where ``_V_PAIRS`` puts
     a thread's eight registers (bits: channel 0, channel 1, token 0), equal ``gluon_emulation._v_pairs``; and
     ``hi + lo = s * code`` exactly, for scales up to 511.75 (``|s code| <= 65504``) including subnormal ones."""
-    registers = [basis[1:] for basis in gluon_decode._V_PAIRS.value.reg_bases[:3]]
+    registers = [basis[1:] for basis in gluon_tiles._V_PAIRS.value.reg_bases[:3]]
     assert registers == [[0, 1], [0, 2], [1, 0]]  # [token, channel] of register bits 0, 1, 2
-    text = next(c for c in gluon_decode._v_pairs.fn.__code__.co_consts if isinstance(c, str) and "prmt" in c)
+    text = next(c for c in gluon_tiles._v_pairs.fn.__code__.co_consts if isinstance(c, str) and "prmt" in c)
     generator = np.random.default_rng(5)
     for trial in range(2000):
         codes = generator.integers(0, 256, size=(2, 4), dtype=np.uint8)  # [token, channel], stored bytes

@@ -82,11 +82,11 @@ def test_gluon_covers_pools_whose_32_bit_offsets_fit():
     (slot, KV head) rows, whose scales' element offsets reach 2**31, goes to the Triton kernel."""
     import torch
 
-    from witcert.kernels import gluon_decode
+    from witcert.kernels import gluon_tiles
 
     shape = dict(q_dtype=torch.float16, head_dim=128, group_size=32, dither_bits=8, v_dither=False, outliers=0)
-    assert gluon_decode.supports(**shape, rows=2**29 - 1)
-    assert not gluon_decode.supports(**shape, rows=2**29)
+    assert gluon_tiles.supports(**shape, rows=2**29 - 1)
+    assert not gluon_tiles.supports(**shape, rows=2**29)
 
 
 def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
@@ -94,12 +94,12 @@ def test_gluon_covers_a_dithered_v_and_8_bit_dithers_only():
     with the Triton kernel."""
     import torch
 
-    from witcert.kernels import gluon_decode
+    from witcert.kernels import gluon_tiles
 
     shape = dict(q_dtype=torch.float16, head_dim=128, group_size=32, dither_bits=8, v_dither=True, outliers=0)
-    assert gluon_decode.supports(**shape, rows=1)
-    assert not gluon_decode.supports(**{**shape, "dither_bits": 16}, rows=1)
-    assert not gluon_decode.supports(**{**shape, "outliers": 2}, rows=1)
+    assert gluon_tiles.supports(**shape, rows=1)
+    assert not gluon_tiles.supports(**{**shape, "dither_bits": 16}, rows=1)
+    assert not gluon_tiles.supports(**{**shape, "outliers": 2}, rows=1)
 
 
 def test_tiled_extend_compiles_for_sm90_on_the_tensor_cores(compiled):

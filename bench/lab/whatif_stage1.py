@@ -1,7 +1,8 @@
 """Write a what-if version of the Gluon stage 1 for timing only: what a change of the contract or the code would buy.
 
-Each variant edits ``kernels/gluon_decode.py``'s text and writes the result to ``--output``; time it against
-the real kernel in one run with ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
+Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
+module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
+``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
 (``qshared``, ``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does, which
@@ -32,8 +33,8 @@ in the kernel's place. CI does not test them. None runs outside a benchmark:
   logits is held apart, each choice a sound certificate): each thread holds apart its own running argmax
   among its four tokens per tile, so the loop's certificate needs no lane exchange (the real kernel finds
   each warp's tile argmax and its radius by two reductions over the lanes, 12 shuffles per tile); the held
-  tokens meet once, after the loop. It edits the loop and the split's stores together, which are now separate
-  functions (``_certificate_tile``, ``_store_split``): it applies to the kernel before that, ``--source`` a copy of
+  tokens meet once, after the loop. It edits the loop and the split's stores together, which the current kernel
+  keeps in separate functions (``certificate_tile``, ``store_split``): it applies to ``--source`` a copy of
   ``git show 9e7d36d:kernels/gluon_decode.py``;
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
@@ -48,10 +49,21 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "gluon_decode.py"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def current_source() -> str:
+    """The Gluon stage 1 as one module: ``gluon_tiles.py``, then ``gluon_decode.py`` less its docstring, its
+    ``from __future__`` line and its import of ``gluon_tiles`` (the names it imports are the module's own)."""
+    kernel = (KERNELS / "gluon_decode.py").read_text()
+    kernel = re.sub(r'\A""".*?"""\n', "", kernel, flags=re.S).replace("from __future__ import annotations\n", "")
+    kernel = re.sub(r"from witcert\.kernels\.gluon_tiles import \(.*?\)\n", "", kernel, flags=re.S)
+    return (KERNELS / "gluon_tiles.py").read_text() + "\n\n" + kernel
+
 
 _BLOCKRADIUS = [
     (
@@ -114,9 +126,7 @@ _QSHARED = [
     (
         "    q_ops = (g0[0], g1[0], g2[0], g3[0])\n",
         "    q_ops = (\n"
-        + "".join(
-            f"        gl.allocate_shared_memory(gl.float16, [4, 32, 8], _ROW_MAJOR, g{g}[0]),\n" for g in range(4)
-        )
+        + "".join(f"        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g{g}[0]),\n" for g in range(4))
         + "    )\n",
     ),
 ]
@@ -134,22 +144,24 @@ _NOBRANCH = [
 # Spans of the token loop that copyonly drops: (first line dropped, first line kept after, replacement).
 _COPYONLY_SPANS = [
     (
-        "        group_scales = _k_group_scales(tile_scales)\n",
+        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)\n",
         "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n",
         "",
     ),
     (
-        "        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)\n",
+        "        logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, "
+        "acc1 = (\n",
         "        async_copy.wait_group(1)  # this tile's V\n",
         "",
     ),
     (
-        "        acc0, acc1 = _pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))\n",
+        "        acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))\n",
         "        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)\n",
         "",
     ),
     (
-        "        # The certificate after PV, so that none of V's registers is live through it.\n",
+        "        # The certificate after PV, so that none of V's registers is live through it; the radius from the "
+        "scales\n",
         "        slots = next_slots\n",
         "",
     ),
@@ -161,43 +173,33 @@ def _k_set(k_tiles, stage):
     return (k_tiles[0].index(stage), k_tiles[1].index(stage), k_tiles[2].index(stage), k_tiles[3].index(stage))
 
 
-@gluon.jit
-def _qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums):
-    \"\"\"A tile's negated logits before the softmax scale, from its codes and scales in shared memory.\"\"\"
-    group_scales = _k_group_scales(tile_scales)
-    logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
-    for g in gl.static_range(4):
-        logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g)
-    return logits
-
-
 """
 _QKAHEAD = [
-    ("@gluon.jit\ndef _thread_sum(x):\n", _QKAHEAD_HELPERS + "@gluon.jit\ndef _thread_sum(x):\n"),
+    ("@gluon.jit\ndef decode_stage1_gluon(\n", _QKAHEAD_HELPERS + "@gluon.jit\ndef decode_stage1_gluon(\n"),
     # K's codes in two stages, its scales in three.
     (
-        "    k_tiles = (\n" + "        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], _ROW_MAJOR),\n" * 4 + "    )\n",
+        "    k_tiles = (\n" + "        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),\n" * 4 + "    )\n",
         "    k_tiles = (\n"
-        + "        gl.allocate_shared_memory(gl.uint8, [2, 4, 32, 32], _ROW_MAJOR),\n" * 4
+        + "        gl.allocate_shared_memory(gl.uint8, [2, 4, 32, 32], ROW_MAJOR),\n" * 4
         + "    )\n",
     ),
     (
-        "    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], _ROW_MAJOR_2D)\n",
-        "    k_scales = gl.allocate_shared_memory(gl.float16, [3, BLOCK_N, 4], _ROW_MAJOR_2D)\n",
+        "    k_scales = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, 4], ROW_MAJOR_2D)\n",
+        "    k_scales = gl.allocate_shared_memory(gl.float16, [3, BLOCK_N, 4], ROW_MAJOR_2D)\n",
     ),
     # The prologue copies K(0) and K(1), then V(0), and computes tile 0's logits.
     (
-        "    _copy_k(k_tiles, KCodes, _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)\n"
+        "    _copy_k(k_tiles, KCodes, slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)\n"
         "    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)\n"
         "    _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)\n"
         "    async_copy.commit_group()\n",
-        "    first_base = _slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)\n"
+        "    first_base = slot_row(slots, num_slots, NUM_KV_HEADS, kv_head)\n"
         "    _copy_k(_k_set(k_tiles, 0), KCodes, first_base, lo + tok_t, hi, OFFSETS_64)\n"
         "    rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)\n"
         "    _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)\n"
         "    async_copy.commit_group()\n"
         "    next_slots = gl.load(KvIndices + kv_start + gl.minimum(lo + BLOCK_N + tok_t, hi - 1))\n"
-        "    next_base = _slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)\n"
+        "    next_base = slot_row(next_slots, num_slots, NUM_KV_HEADS, kv_head)\n"
         "    _copy_k(_k_set(k_tiles, 1), KCodes, next_base, lo + BLOCK_N + tok_t, hi, OFFSETS_64)\n"
         "    rows = _token_base(KvIndices, kv_start, lo + BLOCK_N + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)\n"
         "    _copy_scales(k_scales.index(1), KScales, rows, lo + BLOCK_N + tok_ks, hi, groups_ks)\n"
@@ -208,7 +210,7 @@ _QKAHEAD = [
         "    # what-if qkahead: iteration i computes tile i + 1's logits first, then tile i's softmax, PV and\n"
         "    # certificate. Commits: K(0), K(1), V(0), then per iteration K(i + 2), V(i + 1).\n"
         "    async_copy.wait_group(2)  # K(0)\n"
-        "    next_logits = _qk_tile(_k_set(k_tiles, 0), k_scales.index(0), q_ops, q_alpha_sums)\n"
+        "    next_logits = qk_tile(_k_set(k_tiles, 0), k_scales.index(0), q_ops, q_alpha_sums)\n"
         "    k_stage = 0\n"
         "    s_stage = 0\n"
         "    for start in range(lo, hi, BLOCK_N):\n",
@@ -219,7 +221,7 @@ _QKAHEAD = [
         "        next_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + BLOCK_N, hi - 1))\n",
         "        raw_logits = next_logits\n"
         "        ahead_slots = gl.load(KvIndices + kv_start + gl.minimum(offs + 2 * BLOCK_N, hi - 1))\n"
-        "        ahead_base = _slot_row(ahead_slots, num_slots, NUM_KV_HEADS, kv_head)\n",
+        "        ahead_base = slot_row(ahead_slots, num_slots, NUM_KV_HEADS, kv_head)\n",
     ),
     (
         "        next_k_scale_rows = _token_base(\n"
@@ -232,26 +234,22 @@ _QKAHEAD = [
     (
         "        async_copy.wait_group(1)  # this tile's K\n"
         "        tile_scales = k_scales.index(stage)\n"
-        "        group_scales = _k_group_scales(tile_scales)\n"
-        "        logits = gl.zeros([4, 32, 8], gl.float32, _MMA)\n"
-        "        for g in gl.static_range(4):\n"
-        "            logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g)\n"
+        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)\n"
         "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n"
         "        _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, "
         "groups_ks)\n"
-        "        async_copy.commit_group()\n"
-        "        logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)\n",
+        "        async_copy.commit_group()\n",
         "        next_k = 1 - k_stage\n"
         "        next_s = (s_stage + 1) % 3\n"
         "        ahead_s = (s_stage + 2) % 3\n"
         "        async_copy.wait_group(1)  # K(i + 1)\n"
-        "        next_logits = _qk_tile(_k_set(k_tiles, next_k), k_scales.index(next_s), q_ops, q_alpha_sums)\n"
+        "        next_logits = qk_tile(_k_set(k_tiles, next_k), k_scales.index(next_s), q_ops, q_alpha_sums)\n"
         "        _copy_k(_k_set(k_tiles, k_stage), KCodes, ahead_base, offs + 2 * BLOCK_N, hi, OFFSETS_64)\n"
         "        ahead_tokens = start + 2 * BLOCK_N + tok_ks\n"
         "        _copy_scales(k_scales.index(ahead_s), KScales, ahead_k_scale_rows, ahead_tokens, hi, groups_ks)\n"
         "        async_copy.commit_group()\n"
         "        tile_scales = k_scales.index(s_stage)\n"
-        "        logits = gl.where(token_ok[:, :, None], raw_logits * logit_scale, -_FP32_INF)\n",
+        "        logits = raw_logits\n",
     ),
     (
         "        slots = next_slots\n        stage = 1 - stage\n",
@@ -337,7 +335,7 @@ _THREADARG_SPANS = [
 
 def _replace(text: str, old: str, new: str) -> str:
     if text.count(old) != 1:
-        raise SystemExit(f"whatif_stage1: kernels/gluon_decode.py changed; this anchor is not there once:\n{old}")
+        raise SystemExit(f"whatif_stage1: the Gluon stage 1 changed; this anchor is not there once:\n{old}")
     return text.replace(old, new)
 
 
@@ -346,7 +344,7 @@ def _replace_span(text: str, first: str, after: str, new: str) -> str:
     start = _replace(text, first, first).index(first)
     stop = _replace(text, after, after).index(after)
     if stop <= start:
-        raise SystemExit(f"whatif_stage1: kernels/gluon_decode.py changed; this span is out of order:\n{first}")
+        raise SystemExit(f"whatif_stage1: the Gluon stage 1 changed; this span is out of order:\n{first}")
     return text[:start] + new + text[stop:]
 
 
@@ -385,13 +383,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", help=f"one of {', '.join(VARIANTS)}, or several joined by + (qkahead+threadarg)")
     parser.add_argument("--output", type=Path, required=True, help="where to write the edited stage 1")
-    parser.add_argument("--source", type=Path, default=SOURCE, help="the stage 1 to edit (default: the current one; "
+    parser.add_argument("--source", type=Path, help="the stage 1 to edit, one module (default: the current one; "
                         "threadarg applies to `git show 9e7d36d:kernels/gluon_decode.py`, before the certificate's "
                         "tile and the split's stores became functions)")  # fmt: skip
     args = parser.parse_args()
     if unknown := [part for part in args.variant.split("+") if part not in VARIANTS]:
         parser.error(f"unknown what-if {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    args.output.write_text(variant(args.variant, args.source.read_text()))
+    args.output.write_text(variant(args.variant, args.source.read_text() if args.source else current_source()))
     print(f"wrote {args.output} ({args.variant}); time it with bench/bench_kernels.py --baseline-stage1 {args.output}")
 
 
