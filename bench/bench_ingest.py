@@ -12,7 +12,12 @@ process is the load. Two loads, one after the other on the same collector, each 
 
 Rates count certificate samples *stored*: from the first request to the moment the collector's
 spool is empty again (``/readyz``), so a drain that falls behind lowers the figure. Latency is per
-request, client side (includes the fsync before the acknowledgement). Bytes on disk per million
+request, client side (includes the fsync before the acknowledgement). CPU is counted on both sides
+per stored sample: the collector process (all its threads, chDB included) and the clients (the
+replay threads' process; the SDK processes from building each request's points to the exporter's
+answer), and the collector's cores in use over the load (its CPU seconds over the seconds from the
+first request to the drained spool): on a 2-core machine a side near a whole core, or both sides
+summing to the cores there are, is the bottleneck. Bytes on disk per million
 samples are read from ``system.parts`` after ``OPTIMIZE ... FINAL`` (log-normal certificate values,
 one +inf in 997, 50 steps/s, 32 layers x 32 heads), for the typed samples table
 and, for comparison, for the same samples inserted as raw exporter-format rows into
@@ -103,6 +108,7 @@ class Load:
         self.latencies: list[float] = []
         self.acked_points = 0
         self.refused = 0
+        self.client_cpu_s = 0.0
 
     def take(self) -> int:
         with self.lock:
@@ -143,7 +149,15 @@ def run_replay(port: int, pid: int, args: argparse.Namespace, model: str) -> dic
                 time.sleep(float(reply.headers.get("retry-after", "1")))
         connection.close()
 
-    return drive(port, pid, load, client, args, bytes_per_request=statistics.mean(len(b) for b in bodies[:10]))
+    return drive(
+        port,
+        pid,
+        load,
+        client,
+        args,
+        bytes_per_request=statistics.mean(len(b) for b in bodies[:10]),
+        client_cpu=time.process_time,
+    )
 
 
 def sdk_client(
@@ -157,10 +171,11 @@ def sdk_client(
     stride: int,
     start_at: float,
     seconds: float,
-) -> tuple[list[float], int, int]:
-    """One SDK client process: build a request's points (the engine's cost, not timed), export it
-    with the opentelemetry-sdk OTLP/HTTP exporter, repeat until ``seconds`` after ``start_at``.
-    Returns request latencies, acknowledged points and refused requests."""
+) -> tuple[list[float], int, int, float]:
+    """One SDK client process: build a request's points (the engine's cost, not in the latency),
+    export it with the opentelemetry-sdk OTLP/HTTP exporter, repeat until ``seconds`` after
+    ``start_at``. Returns request latencies, acknowledged points, refused requests and the process's
+    CPU seconds over the loop."""
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.sdk.metrics.export import (
@@ -185,6 +200,7 @@ def sdk_client(
     acked = refused = 0
     time.sleep(max(0.0, start_at - time.time()))
     deadline = time.perf_counter() + seconds
+    cpu_before = time.process_time()
     index = first
     while time.perf_counter() < deadline:
         now = time.time_ns()
@@ -209,8 +225,9 @@ def sdk_client(
         else:
             refused += 1
         index += stride
+    cpu = time.process_time() - cpu_before
     exporter.shutdown()
-    return latencies, acked, refused
+    return latencies, acked, refused, cpu
 
 
 def run_sdk(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
@@ -231,10 +248,11 @@ def run_sdk(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
         time.sleep(max(0.0, start_at - time.time()))
 
         def clients(_deadline: float) -> None:
-            for latencies, acked, refused in pending.get():
+            for latencies, acked, refused, cpu in pending.get():
                 load.latencies.extend(latencies)
                 load.acked_points += acked
                 load.refused += refused
+                load.client_cpu_s += cpu
 
         return drive(port, pid, load, clients, args, bytes_per_request=None, threads=1)
 
@@ -247,9 +265,14 @@ def drive(
     args: argparse.Namespace,
     bytes_per_request: float | None,
     threads: int | None = None,
+    client_cpu=None,
 ) -> dict:
+    """Run ``client`` on ``threads`` threads (``--clients`` by default) until the deadline, wait for
+    the spool to drain, and measure. ``client_cpu``: a clock of the clients' CPU seconds when they are
+    this process's threads; otherwise the clients add theirs to ``load.client_cpu_s``."""
     before = readiness(port)["counters"]["stored_points"]
     cpu_before = cpu_seconds(pid)
+    client_cpu_before = client_cpu() if client_cpu else 0.0
     load_average = os.getloadavg()[0]
     started = time.perf_counter()
     deadline = started + args.seconds
@@ -259,6 +282,8 @@ def drive(
     for worker in workers:
         worker.join()
     sent_until = time.perf_counter()
+    if client_cpu:
+        load.client_cpu_s = client_cpu() - client_cpu_before
     drained = wait_drained(port)
     stored = readiness(port)["counters"]["stored_points"] - before
     collector_cpu = cpu_seconds(pid) - cpu_before
@@ -267,6 +292,8 @@ def drive(
         # Collector CPU (all its threads, chDB included) per stored sample: what one core sustains
         # without contention is about 1e6 / this.
         "collector_cpu_us_per_point": round(collector_cpu / max(stored, 1) * 1e6, 2),
+        "collector_cores": round(collector_cpu / (drained - started), 2),
+        "client_cpu_us_per_point": round(load.client_cpu_s / max(load.acked_points, 1) * 1e6, 2),
         "requests": len(load.latencies),
         "refused_requests": load.refused,
         "points_per_request": load.points_per_request,
@@ -331,6 +358,8 @@ MEASURES = (
     ("latency_p99_ms", "p99 ms"),
     ("refused_requests", "refused"),
     ("collector_cpu_us_per_point", "collector CPU us/sample"),
+    ("collector_cores", "collector cores busy"),
+    ("client_cpu_us_per_point", "client CPU us/sample"),
     ("peak_rss_mib", "collector peak RSS MiB"),
 )
 
