@@ -22,7 +22,8 @@ samples are read from ``system.parts`` after ``OPTIMIZE ... FINAL`` (log-normal 
 one +inf in 997, 50 steps/s, 32 layers x 32 heads), for the typed samples table
 and, for comparison, for the same samples inserted as raw exporter-format rows into
 ``otel_metrics_gauge`` (with the insert time of each path): the measurement behind sending samples
-straight to the typed table. Peak RSS is the collector process's ``VmHWM`` after both loads.
+straight to the typed table. The collector's RSS: ``VmRSS`` once it listens (idle, store open) and
+``VmHWM`` after both loads (peak).
 
 ``--repeats N`` runs everything N times on fresh collectors and reports medians (the machine may be
 shared). ``--baseline-pythonpath DIR`` interleaves each repeat with a second collector whose
@@ -69,11 +70,12 @@ def start_collector(root: Path, pythonpath: str | None = None) -> tuple[subproce
     raise RuntimeError("the collector did not start")
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """The process's peak (``VmHWM``) or current (``VmRSS``) resident memory."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return round(int(line.split()[1]) / 1024, 1)
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -360,6 +362,7 @@ MEASURES = (
     ("collector_cpu_us_per_point", "collector CPU us/sample"),
     ("collector_cores", "collector cores busy"),
     ("client_cpu_us_per_point", "client CPU us/sample"),
+    ("idle_rss_mib", "collector idle RSS MiB"),
     ("peak_rss_mib", "collector peak RSS MiB"),
 )
 
@@ -369,11 +372,13 @@ def run_collector(args: argparse.Namespace, pythonpath: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="witcert-bench-") as tmp:
         process, port = start_collector(Path(tmp), pythonpath)
         try:
+            idle = rss_mib(process.pid, "VmRSS")
             result = {"replay": run_replay(port, process.pid, args, "replay")}
             if not args.skip_sdk:
                 result["sdk"] = run_sdk(port, process.pid, args, "sdk")
-            rss = peak_rss_mib(process.pid)
+            rss = rss_mib(process.pid)
             for load in result.values():
+                load["idle_rss_mib"] = idle
                 load["peak_rss_mib"] = rss
         finally:
             process.terminate()
@@ -403,7 +408,8 @@ def markdown(report: dict) -> str:
     for variant, figures in report["medians"].items():
         for load, values in figures.items():
             cells = " | ".join(
-                f"{values[key]:,}" if key == "stored_points_per_s" else str(values[key]) for key, _ in MEASURES
+                f"{round(values[key]):,}" if key == "stored_points_per_s" else f"{round(values[key], 2):g}"
+                for key, _ in MEASURES
             )
             lines.append(f"| {variant} | {load} | {cells} |")
     if "disk" in report:

@@ -30,6 +30,17 @@ examples:
   witcert query worst-heads --url http://127.0.0.1:4318 --format json
 """
 
+_DEAD_LETTER_HELP = """actions:
+  list     each dead record: name, points, tables, since when, the store's reason
+  show     the rows of the named records (all when none is named), as JSON
+  replay   put the named records (all when none is named) back for the drain; fix the cause first
+  drop     delete the named records for good
+
+example:
+  witcert dead-letter list --spool /var/lib/witcert/chdb.spool
+  witcert dead-letter replay --spool /var/lib/witcert/chdb.spool     (all of them)
+"""
+
 
 def _read_token(path: str | None) -> str | None:
     if path is None:
@@ -104,17 +115,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dead-letter",
         help="list, show, replay or drop spooled requests the store refused",
         description=(
-            "Records the store refused for a reason of their rows (not an outage) are kept in the spool's "
-            "dead/ folder so that they never block the ones behind them. Replay puts them back for the "
-            "drain (the running collector, or the next to start, stores them under the same labels)."
+            "Records the store refused for a reason of their rows (not an outage) are kept in the\n"
+            "spool's dead/ folder, so that they never block the ones behind them. Replay puts them back\n"
+            "for the drain: the running collector, or the next to start, stores them under the same\n"
+            "labels, so nothing of a record is stored twice."
         ),
+        epilog=_DEAD_LETTER_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    dead.add_argument("action", choices=["list", "show", "replay", "drop"])
-    dead.add_argument("names", nargs="*", help="records (as listed); replay takes all when none are named")
+    dead.add_argument("action", choices=["list", "show", "replay", "drop"], help="what to do (below)")
+    dead.add_argument("names", nargs="*", metavar="NAME", help="records, named as list prints them")
     where = dead.add_mutually_exclusive_group()
     where.add_argument("--spool", type=Path, default=None, help="the collector's spool directory")
-    where.add_argument("--store", default=None, help="the collector's store, to find its default spool")
-    dead.add_argument("--format", default="table", choices=["table", "json"])
+    where.add_argument(
+        "--store", default=None, help="the collector's store, to find its spool (default: the default store's)"
+    )
+    dead.add_argument("--format", default="table", choices=["table", "json"], help="how list prints (default table)")
     dead.set_defaults(handler=_run_dead_letter)
 
     query = subparsers.add_parser(

@@ -166,6 +166,38 @@ def test_one_point_a_day_over_110_requests_drained_together_are_stored(make_coll
     assert _samples(collector, model) == 110
 
 
+def _blocks_inserted(collector: Collector, table: str) -> int:
+    """The table's insert counter: each insert of rows of one day takes one block number."""
+    _, rows = collector.store.query(
+        "SELECT max(max_block_number) FROM system.parts WHERE database = currentDatabase() AND table = {t:String}",
+        {"t": table},
+    )
+    return rows[0][0]
+
+
+def test_a_request_over_the_insert_limits_is_stored_once_in_inserts_within_them(make_collector):
+    limits = {"insert_max_rows": 100, "insert_max_bytes": 64 * 1024}
+    left, right = make_collector("left", **limits), make_collector("right", **limits)
+    model, now = _model("inserts"), time.time_ns()
+    request = _request(model)
+    _resource_attributes(request, 1, 1000)  # copied onto each raw row: about 1 KiB a row
+    for step in range(1000):
+        _add_sample(request, now, step)
+    _gauge_points(request, "fault.inserts", now, 1000)
+    body = request.SerializeToString()
+    before = {table: _blocks_inserted(left, table) for table in ("witcert_certificate_samples", "otel_metrics_gauge")}
+    assert _post(left, body).status == 200
+    assert left.wait_stored(20)
+    assert _blocks_inserted(left, "witcert_certificate_samples") - before["witcert_certificate_samples"] == 10
+    assert _blocks_inserted(left, "otel_metrics_gauge") - before["otel_metrics_gauge"] >= 1000 * 1000 // (64 * 1024)
+    # The other replica cuts the same request into the same labelled inserts: the store drops them.
+    assert _post(right, body).status == 200
+    assert right.wait_stored(20)
+    raw = "SELECT count() FROM otel_metrics_gauge WHERE ResourceAttributes['witcert.model'] = {m:String}"
+    assert _count(left, raw, model) == 1000
+    assert _samples(left, model) == 1000
+
+
 # --- 2. deduplication labels: spool replacement, two collectors on one store --------------------
 
 
@@ -383,7 +415,7 @@ def test_idle_and_slow_connections_lock_nobody_out(make_collector):
     try:
         for _ in range(260):
             sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-            sock.sendall(b"P")  # a request line that never ends
+            sock.sendall(b"POST /v1/metrics HTTP/1.1\r\nX-Trickle: ")  # headers that never end
             idle.append(sock)
         for _ in range(16):
             sock = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -401,8 +433,16 @@ def test_idle_and_slow_connections_lock_nobody_out(make_collector):
         _add_sample(request, time.time_ns(), step=1)
         assert _post(collector, request.SerializeToString()).status == 200
         assert time.monotonic() - began < 3
-        # The server closes what never completes its headers or its body.
-        time.sleep(limits.body_timeout_s + 1.5)
+        # The server closes what never completes its headers or its body, however it trickles in:
+        # a byte on every idle connection each 0.5 s, well within the header timeout between bytes.
+        until = time.monotonic() + limits.body_timeout_s + 1.5
+        while time.monotonic() < until:
+            for sock in idle:
+                try:
+                    sock.send(b"a")
+                except OSError:  # closed by the server
+                    pass
+            time.sleep(0.5)
         for sock in idle + slow:
             sock.settimeout(2)
             try:
@@ -413,6 +453,23 @@ def test_idle_and_slow_connections_lock_nobody_out(make_collector):
     finally:
         for sock in idle + slow:
             sock.close()
+
+
+def test_connections_beyond_the_cap_get_a_503_they_can_read(make_collector):
+    collector = make_collector(limits=Limits(max_connections=16))
+    held = [socket.create_connection(("127.0.0.1", collector.ports.http), timeout=5) for _ in range(20)]
+    try:
+        time.sleep(0.2)  # the server has taken them
+        request = _request(_model("crowd"))
+        _add_sample(request, time.time_ns(), step=1)
+        reply = _post(collector, request.SerializeToString())
+        assert reply.status == 503 and reply.headers.get("retry-after")
+        assert "too many open connections" in json.loads(reply.body)["message"]
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    assert _post(collector, request.SerializeToString()).status == 200
 
 
 def test_a_body_over_the_limit_gets_a_413_the_client_can_read(make_collector):
@@ -702,6 +759,11 @@ def test_a_batch_the_store_refuses_goes_to_dead_letters_and_is_replayed(make_col
         assert witcert_main(["dead-letter", "list", "--spool", spool]) == 0
         listing = capsys.readouterr().out
         assert "VIOLATED_CONSTRAINT" in listing and "witcert_certificate_samples" in listing
+        assert witcert_main(["dead-letter", "list", "--spool", spool, "--format", "json"]) == 0
+        (letter,) = json.loads(capsys.readouterr().out)
+        assert witcert_main(["dead-letter", "show", letter["name"], "--spool", spool]) == 0
+        rows = json.loads(capsys.readouterr().out)[letter["name"]]["witcert_certificate_samples"]
+        assert (rows["Model"], rows["Step"], rows["Value"]) == ([model], [1], [50.0])
     finally:
         collector.store.command("ALTER TABLE witcert_certificate_samples DROP CONSTRAINT fault_small")
     assert witcert_main(["dead-letter", "replay", "--spool", spool]) == 0

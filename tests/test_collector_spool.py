@@ -19,6 +19,7 @@ from witcert.collector.spool import (
     SpoolFormatError,
     SpoolFull,
     dead_letters,
+    drop_dead_letters,
     encode_payload,
     read_dead_letter,
     request_key,
@@ -165,6 +166,10 @@ def test_dead_letters_keep_the_record_and_replay_spools_it_again(tmp_path):
     (again,) = _pending(spool, after=entry.seq)
     assert spool.read(again) == _columns(5) and again.token("t", 0) == entry.token("t", 0)
     assert not list((tmp_path / "requeue").iterdir())
+    spool.dead_letter(again, "refused again", ["t"])
+    (letter,) = dead_letters(tmp_path)
+    assert drop_dead_letters(tmp_path, [letter.name, "no-such-record"]) == [letter.name]
+    assert dead_letters(tmp_path) == [] and not list((tmp_path / "dead").iterdir())
     spool.close()
 
 
