@@ -1,14 +1,16 @@
 """Sustained ingest into chDB through a real ``witcert collector`` process.
 
 Method: the collector runs as its own process (fresh chDB store and spool, OTLP/HTTP only); this
-process is the load. Two loads, one after the other on the same collector, each for ``--seconds``:
+process is the load. Three loads, one after the other on the same collector, each for ``--seconds``:
 
 - ``replay``: ``--clients`` threads POST prebuilt protobuf requests (the engine's sample shape:
   one gauge point per layer x head x step, ``--layers`` x ``--heads`` x ``--steps`` per request),
   each a fresh body (distinct steps), over keep-alive connections;
 - ``sdk``: the opentelemetry-sdk OTLP/HTTP exporter exports hand-built ``MetricsData`` of the same
   shape (how the engine side sends samples), one exporter per client process (the SDK encodes
-  each point in Python: threads of one process would measure the client's GIL).
+  each point in Python: threads of one process would measure the client's GIL);
+- ``replay_small``: as ``replay`` with requests of 4 layers x 8 heads x 16 steps (512 samples, the
+  reliability tests' stream): what a collector does per request rather than per sample.
 
 Rates count certificate samples *stored*: from the first request to the moment the collector's
 spool is empty again (``/readyz``), so a drain that falls behind lowers the figure. Latency is per
@@ -23,7 +25,7 @@ one +inf in 997, 50 steps/s, 32 layers x 32 heads), for the typed samples table
 and, for comparison, for the same samples inserted as raw exporter-format rows into
 ``otel_metrics_gauge`` (with the insert time of each path): the measurement behind sending samples
 straight to the typed table. The collector's RSS: ``VmRSS`` once it listens (idle, store open) and
-``VmHWM`` after both loads (peak).
+``VmHWM`` after the loads (peak).
 
 ``--repeats N`` runs everything N times on fresh collectors and reports medians (the machine may be
 shared). ``--baseline-pythonpath DIR`` interleaves each repeat with a second collector whose
@@ -126,17 +128,16 @@ class Load:
                 self.refused += 1
 
 
-def run_replay(port: int, pid: int, args: argparse.Namespace, model: str) -> dict:
+def run_replay(port: int, pid: int, args: argparse.Namespace, model: str, layers: int, heads: int, count: int) -> dict:
     steps = args.steps
     # Prebuilt before the clock starts: request i carries steps [i*steps, (i+1)*steps).
-    count = args.prebuilt
     bodies = [
         samples_request(
-            model, "bench", args.layers, args.heads, range(i * steps, (i + 1) * steps), time.time_ns()
+            model, "bench", layers, heads, range(i * steps, (i + 1) * steps), time.time_ns()
         ).SerializeToString()
         for i in range(count)
     ]
-    load = Load(args.layers * args.heads * steps)
+    load = Load(layers * heads * steps)
 
     def client(deadline: float) -> None:
         connection = OtlpHttpClient("127.0.0.1", port)
@@ -353,7 +354,7 @@ def disk_usage(root: Path, samples: int) -> dict:
         store.close()
 
 
-LOADS = ("replay", "sdk")
+LOADS = ("replay", "sdk", "replay_small")
 MEASURES = (
     ("stored_points_per_s", "stored samples/s"),
     ("latency_p50_ms", "p50 ms"),
@@ -368,14 +369,16 @@ MEASURES = (
 
 
 def run_collector(args: argparse.Namespace, pythonpath: str | None) -> dict:
-    """Both loads on one fresh collector; its peak RSS."""
+    """The loads on one fresh collector; its idle and peak RSS."""
     with tempfile.TemporaryDirectory(prefix="witcert-bench-") as tmp:
         process, port = start_collector(Path(tmp), pythonpath)
         try:
             idle = rss_mib(process.pid, "VmRSS")
-            result = {"replay": run_replay(port, process.pid, args, "replay")}
+            result = {"replay": run_replay(port, process.pid, args, "replay", args.layers, args.heads, args.prebuilt)}
             if not args.skip_sdk:
                 result["sdk"] = run_sdk(port, process.pid, args, "sdk")
+            if args.small_prebuilt:
+                result["replay_small"] = run_replay(port, process.pid, args, "small", 4, 8, args.small_prebuilt)
             rss = rss_mib(process.pid)
             for load in result.values():
                 load["idle_rss_mib"] = idle
@@ -437,6 +440,9 @@ def main() -> None:
     parser.add_argument("--label", default="this checkout", help="name of this checkout's collector in the table")
     parser.add_argument("--disk-samples", type=int, default=1_000_000, help="0: skip the disk measurement")
     parser.add_argument("--skip-sdk", action="store_true")
+    parser.add_argument(
+        "--small-prebuilt", type=int, default=6000, help="replay_small requests built before its clock starts (0: skip)"
+    )
     parser.add_argument("--output", default="ingest", help="results file stem under bench/results/")
     args = parser.parse_args()
 

@@ -782,6 +782,7 @@ def test_soak_under_load_with_periodic_kills_keeps_rss_bounded(tmp_path):
     config = CollectorConfig(limits=MEMORY_LIMITS, batch_max_wait_s=0.2)
     model = _model("soak")
     acknowledged: set[int] = set()
+    rejections: list[str] = []
     next_index = iter(range(10**9))
     samples: list[tuple[float, int, int]] = []
     began = time.monotonic()
@@ -789,7 +790,8 @@ def test_soak_under_load_with_periodic_kills_keeps_rss_bounded(tmp_path):
         with _collector_process(tmp_path, config, store=f"chdb://{tmp_path / 'soak-chdb'}") as (process, port):
             stop = threading.Event()
             threads = [
-                threading.Thread(target=stream, args=(port, model, next_index, acknowledged, stop)) for _ in range(2)
+                threading.Thread(target=stream, args=(port, model, next_index, acknowledged, stop, rejections))
+                for _ in range(2)
             ]
             for thread in threads:
                 thread.start()
@@ -802,6 +804,7 @@ def test_soak_under_load_with_periodic_kills_keeps_rss_bounded(tmp_path):
             stop.set()
             for thread in threads:
                 thread.join()
+    assert not rejections, rejections[:3]
     (tmp_path / "rss.csv").write_text("seconds,pid,rss_kib\n" + "".join(f"{t:.1f},{p},{r}\n" for t, p, r in samples))
     with _collector_process(tmp_path, config, store=f"chdb://{tmp_path / 'soak-chdb'}") as (process, port):
         deadline = time.monotonic() + 120

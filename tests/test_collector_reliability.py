@@ -30,13 +30,16 @@ LAYERS, HEADS, STEPS_PER_REQUEST = 4, 8, 16
 POINTS_PER_STEP = LAYERS * HEADS
 
 
-# Fixed timestamps: a request rebuilt for a retry is byte-identical, as a client's retry is.
+# Fixed timestamps: a request rebuilt for a retry is byte-identical, as a client's retry is. Steps
+# are 1 us apart, so however fast a stream sends, its points never run ahead of the clock by more
+# than the collector's future skew (a million requests are 16 s).
 BASE_NS = time.time_ns()
+STEP_NS = 1_000
 
 
 def _body(model: str, index: int) -> bytes:
     steps = range(index * STEPS_PER_REQUEST, (index + 1) * STEPS_PER_REQUEST)
-    return samples_request(model, "node-0", LAYERS, HEADS, steps, time_ns=BASE_NS).SerializeToString()
+    return samples_request(model, "node-0", LAYERS, HEADS, steps, time_ns=BASE_NS, step_ns=STEP_NS).SerializeToString()
 
 
 def _counts_per_step(store: Store, model: str) -> dict[int, int]:
@@ -127,18 +130,26 @@ def _start_collector_process(store: Path, spool: Path) -> tuple[subprocess.Popen
     raise AssertionError(f"collector did not start: {''.join(output)}")
 
 
-def _wait_drained(port: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _wait_drained(port: int, stalled_s: float = 30) -> None:
+    """Until the spool is empty; fails once it has not shrunk for ``stalled_s`` (a backlog of
+    thousands of small requests takes a minute or more on a loaded machine, which is not a fault)."""
+    smallest, progress_at = None, time.monotonic()
+    while time.monotonic() - progress_at < stalled_s:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz") as response:
-            if json.loads(response.read())["spool_bytes"] == 0:
-                return
+            spooled = json.loads(response.read())["spool_bytes"]
+        if spooled == 0:
+            return
+        if smallest is None or spooled < smallest:
+            smallest, progress_at = spooled, time.monotonic()
         time.sleep(0.1)
-    raise AssertionError("the restarted collector did not drain its spool")
+    raise AssertionError(f"the restarted collector stopped draining its spool ({smallest} bytes left)")
 
 
-def stream(port: int, model: str, indices, acknowledged: set[int], stop: threading.Event) -> None:
-    """POST numbered requests until ``stop``, noting which were acknowledged (the replay client)."""
+def stream(
+    port: int, model: str, indices, acknowledged: set[int], stop: threading.Event, rejections: list[str]
+) -> None:
+    """POST numbered requests until ``stop``, noting which were acknowledged (the replay client), and
+    in ``rejections`` any acknowledgement that rejects points (none should: every point is valid)."""
     client = OtlpHttpClient("127.0.0.1", port, timeout_s=5)
     while not stop.is_set():
         index = next(indices)
@@ -148,18 +159,24 @@ def stream(port: int, model: str, indices, acknowledged: set[int], stop: threadi
             return  # the collector died under us: this request was not acknowledged
         if reply.status == 200:
             acknowledged.add(index)
+            rejected, message = reply.partial_success()
+            if rejected:
+                rejections.append(f"request {index}: {rejected} points rejected: {message}")
 
 
 def _stream_and_kill(tmp_path: Path, rounds: int, stream_s: float) -> None:
     store, spool = tmp_path / "chdb", tmp_path / "spool"
     model = f"kill-{uuid.uuid4().hex[:6]}"
     acknowledged: set[int] = set()
+    rejections: list[str] = []
     indices = itertools.count()
     for round_index in range(rounds):
         process, port = _start_collector_process(store, spool)
         stop = threading.Event()
-
-        threads = [threading.Thread(target=stream, args=(port, model, indices, acknowledged, stop)) for _ in range(2)]
+        threads = [
+            threading.Thread(target=stream, args=(port, model, indices, acknowledged, stop, rejections))
+            for _ in range(2)
+        ]
         for thread in threads:
             thread.start()
         time.sleep(stream_s * (0.5 + 0.5 * ((round_index * 7919) % 10) / 10))
@@ -169,6 +186,7 @@ def _stream_and_kill(tmp_path: Path, rounds: int, stream_s: float) -> None:
         for thread in threads:
             thread.join()
     assert acknowledged, "nothing was acknowledged before the kills"
+    assert not rejections, rejections[:3]
     process, port = _start_collector_process(store, spool)
     try:
         _wait_drained(port)
