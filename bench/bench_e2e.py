@@ -16,13 +16,17 @@ certificates; ``observe`` with certificates and a ``CertificateAggregator`` (str
 every head above ``--tau``. No CUDA graphs and no ``torch.compile`` in any mode: the loop is eager
 transformers, whose Python is part of every figure. A mode is cut at ``--budget-s`` of timed steps.
 
-Observe's cost over off, broken down (``--breakdown BATCH CONTEXT``, default 8 and 4096). Variants, each timed
-as above: ``off``; ``certificate`` (the kernel computes certificates, nobody reads them); ``report`` (plus
-``StepReport``'s per-layer copy and one aggregator launch per step); ``stream`` (plus a ``TelemetryStream``
-polled every step, its exporter thread encoding OTLP and discarding it). For each: ms per step, host time per
+Observe's cost over off, broken down (``--breakdown BATCH CONTEXT``, default 8 and 4096, for each model of
+``--breakdown-arch``, default the 8-layer one and the demo's). Variants, each timed as above (``--breakdown-steps``
+steps) in ``--breakdown-rounds`` interleaved rounds, the order rotated each round, so that a drift of the host's
+speed (runs of the same variant differ by several percent) spreads over all of them: ``off``; ``certificate`` (the
+kernel computes certificates, nobody reads them); ``report`` (plus ``StepReport``'s per-layer bookkeeping, the
+kernel writing into its buffer, and one aggregator launch per step); ``stream`` (plus a ``TelemetryStream`` polled
+every step, its exporter thread encoding OTLP and discarding it). For each: ms per step, host time per
 step (the forward's wall time with no synchronisation: what the CPU spends issuing it), host-device syncs per
-step (counted by ``torch.cuda.set_sync_debug_mode``), and CUDA allocations per step (``memory_stats``). The
-profiler's top operations of ``off`` and ``stream`` go to ``--profile-dir``.
+step (counted by ``torch.cuda.set_sync_debug_mode``), and CUDA allocations per step (``memory_stats``); a variant's
+cost over off is the median over rounds of its time over off's in the same round. The profiler's top operations of
+``off`` and ``stream`` go to ``--profile-dir``.
 
 Run (one device call, about 5 minutes on an H100/H200):
 
@@ -249,7 +253,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=5.0, help="cap on each mode's timed steps")
     parser.add_argument("--tau", type=float, default=0.05)
     parser.add_argument("--breakdown", type=int, nargs=2, default=[8, 4096], metavar=("BATCH", "CONTEXT"))
-    parser.add_argument("--breakdown-arch", choices=sorted(ARCHS), default="llama8")
+    parser.add_argument("--breakdown-arch", choices=sorted(ARCHS), nargs="+", default=["llama8", "smollm2"])
+    parser.add_argument("--breakdown-rounds", type=int, default=8)
+    parser.add_argument("--breakdown-steps", type=int, default=32)
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results/e2e.json"))
     parser.add_argument("--profile-dir", type=Path, default=None)
@@ -266,7 +272,7 @@ def main() -> int:
         "tau": args.tau,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "decode": [],
-        "breakdown": {},
+        "breakdown": [],
         "errors": [],
     }
 
@@ -275,9 +281,8 @@ def main() -> int:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 
     # The breakdown first: it is the figure a cut-short run must not lose.
-    if not args.no_breakdown:
+    for arch in [] if args.no_breakdown else args.breakdown_arch:
         batch, context = args.breakdown
-        arch = args.breakdown_arch or args.arch
         bmodel = build_model(arch, device, dtype)
         prompt = torch.randint(
             0, bmodel.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(1)
@@ -288,32 +293,40 @@ def main() -> int:
             "report": witcert_cache(bmodel, GateMode.OBSERVE, args.tau, device, observer="aggregator"),
             "stream": witcert_cache(bmodel, GateMode.OBSERVE, args.tau, device, observer="stream"),
         }
-        report["breakdown"] = {"arch": arch, "batch": batch, "context": context, "variants": {}}
-        # Interleaved rounds: a drift of the machine's clock or temperature spreads over every variant.
-        for round_ in range(2):
-            for name, make in variants.items():
+        names = list(variants)
+        breakdown = {"arch": arch, "batch": batch, "context": context, "variants": {name: [] for name in names}}
+        report["breakdown"].append(breakdown)
+        for round_ in range(args.breakdown_rounds):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                make = variants[name]
                 try:
                     result = time_decode(
-                        bmodel, prompt, make, steps=args.steps, warmup=args.warmup, budget_s=args.budget_s,
-                        count_syncs=True,
+                        bmodel, prompt, make, steps=args.breakdown_steps, warmup=args.warmup,
+                        budget_s=args.budget_s, count_syncs=True,
                     )  # fmt: skip
                 except Exception:
-                    report["errors"].append(f"breakdown {name}: {traceback.format_exc()}")
-                    continue
+                    report["errors"].append(f"breakdown {arch} {name}: {traceback.format_exc()}")
+                    result = None
                 for stream in make.streams:
                     if stream is not None:
                         stream.close()
                 make.streams.clear()
-                report["breakdown"]["variants"].setdefault(name, []).append(result)
-                print(f"breakdown round {round_} {name}: {json.dumps(result)}", flush=True)
+                breakdown["variants"][name].append(result)
+        rounds = [r for r in zip(*breakdown["variants"].values(), strict=True) if None not in r]
+        breakdown["over_off"] = {
+            name: statistics.median(r[index]["ms_per_step"] / r[0]["ms_per_step"] - 1 for r in rounds)
+            for index, name in enumerate(names)
+            if rounds
+        }
+        print(f"breakdown {arch}: {json.dumps(breakdown['over_off'])}", flush=True)
         save()
         if args.profile_dir is not None:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
             for name in ("off", "stream"):
                 try:
-                    profile_step(bmodel, prompt, variants[name], args.profile_dir / f"e2e_profile_{name}.txt")
+                    profile_step(bmodel, prompt, variants[name], args.profile_dir / f"e2e_profile_{arch}_{name}.txt")
                 except Exception:
-                    report["errors"].append(f"profile {name}: {traceback.format_exc()}")
+                    report["errors"].append(f"profile {arch} {name}: {traceback.format_exc()}")
             save()
         del bmodel, variants
         if device.type == "cuda":
@@ -364,16 +377,21 @@ def print_tables(report: dict) -> None:
             f"| {r['batch']} | {r['context']} | {r['mode']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} "
             f"| {versus} | {r.get('fallbacks', '')} |"
         )
-    breakdown = report.get("breakdown") or {}
-    if breakdown.get("variants"):
+    for breakdown in report["breakdown"]:
+        variants = breakdown["variants"]
         print(f"\nobserve over off, {breakdown['arch']} batch {breakdown['batch']} context {breakdown['context']}")
-        print("| variant | ms/step (per round) | host ms/step | syncs/step | allocations/step |")
-        print("|---|---|---|---|---|")
-        for name, rounds in breakdown["variants"].items():
+        print("| variant | ms/step (median of rounds) | over off (median of rounds) | host ms/step | syncs/step | "
+              "allocations/step |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for name, rounds in variants.items():
+            done = [r for r in rounds if r is not None]
+            if not done:
+                continue
             print(
-                f"| {name} | {' / '.join(format(r['ms_per_step'], '.3f') for r in rounds)} "
-                f"| {' / '.join(format(r['host_ms_per_step'], '.3f') for r in rounds)} "
-                f"| {rounds[-1].get('syncs_per_step')} | {rounds[-1].get('allocations_per_step')} |"
+                f"| {name} | {statistics.median(r['ms_per_step'] for r in done):.3f} "
+                f"| {breakdown.get('over_off', {}).get(name, float('nan')):+.1%} "
+                f"| {statistics.median(r['host_ms_per_step'] for r in done):.3f} "
+                f"| {done[-1].get('syncs_per_step')} | {done[-1].get('allocations_per_step')} |"
             )
     for error in report["errors"]:
         print(error)

@@ -19,9 +19,9 @@ from witcert.kernels.attention import default_num_kv_splits
 from witcert.kernels.launch import LAUNCH
 from witcert.kernels.triton_kernels import FP32_INF, decode_stage2, split_range
 
-# decode_stage2 takes pointers to six per-split certificate partials and seven certificate outputs; without the
-# certificate it stores none of them, so the LSE buffers stand in.
-_STAGE2_PARTIALS, _STAGE2_STATS = 6, 7
+# decode_stage2 takes pointers to six per-split certificate partials and two certificate outputs (the certificate and
+# its accumulators); without the certificate it stores none of them, so the LSE buffers stand in.
+_STAGE2_PARTIALS, _STAGE2_STATS = 6, 2
 
 
 @triton.jit

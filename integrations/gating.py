@@ -576,7 +576,9 @@ class CertifiedDecode:
     with the kernel's part, certificate included. A row whose merged certificate is within tau keeps that output,
     which the certificate covers; the others are recomputed on the repair path, rows of equal length together
     (``repair_pool_rows``), and their new pairs join ``skip`` and the store. Gate mode syncs with the host once
-    per layer (which rows exceed tau); observe and off modes never.
+    per layer (which rows exceed tau); observe and off modes never. With a ``report``, the kernel writes the
+    certificates into the report's buffer (``StepReport.destination``): a step's ``certificate`` is a view of it,
+    valid until the same layer of the next step (copy it to keep it).
     """
 
     def __init__(
@@ -600,6 +602,9 @@ class CertifiedDecode:
         """Layer ``layer``'s attention of ``query`` ``[B, H_q, D]`` (the pool's dtype) over ``paging``."""
         mode = self.policy.mode
         gate = mode is GateMode.GATE
+        # The kernel writes the certificates into the report's buffer (no copy per layer); gating's merge and repair
+        # replace or update them there before the report counts them.
+        reported = self.report is not None and mode is not GateMode.OFF
         result = decode_attention(
             query,
             self.pool,
@@ -610,6 +615,7 @@ class CertifiedDecode:
             delta_step=self.delta_step,
             certificate=mode is not GateMode.OFF,
             skip=self.skip[layer] if gate else None,
+            certificate_out=self.report.destination(layer, query.shape[0]) if reported else None,
         )
         step = CertifiedStep(result.out, result.certificate, None, None)
         if mode is GateMode.OFF:

@@ -14,8 +14,8 @@ on CPU), so the certificate describes exactly the attention the model used. In g
 (slot, KV head) pairs repaired earlier, whose exact part is merged in, and every head still above tau is
 repaired from the exact host backup as soon as its layer has run. This module is the paging glue: sequence
 ``b`` owns the slots ``[b * max_cache_len, (b + 1) * max_cache_len)``, and the backup is a pinned host copy
-of every written K/V. Each layer's certificates ``[B, H_q]`` (with fallbacks and repaired bytes in gate mode)
-are copied into a per-step buffer ``[L, B, H_q]``, and the observer gets the whole step in one
+of every written K/V. Each layer's certificates ``[B, H_q]`` go into a per-step buffer ``[L, B, H_q]`` (the kernel
+writes them there; fallbacks and repaired bytes in gate mode are copied), and the observer gets the whole step in one
 ``observe_layers`` call when the last layer has run: one aggregator launch per step instead of one per layer.
 
 How the attention function finds the cache: ``update`` returns the new K/V tensors and remembers

@@ -37,17 +37,26 @@ _sm_count: dict[int, int] = {}
 @dataclass
 class AttentionOutput:
     """``out`` ``[R, H_q, D]`` (float32, or the ``out`` passed in; from extend on SDPA without one, q's dtype),
-    ``lse`` ``[R, H_q]`` (None from extend on SDPA); with the certificate, its value and accumulators ``[R, H_q]``.
+    ``lse`` ``[R, H_q]`` (None from extend on SDPA); with the certificate, its value ``[R, H_q]`` and its
+    accumulators merged over the splits, ``accumulator_block`` ``[6, R, H_q]`` (``reference.CertificateAccumulators``'
+    fields in order; ``None`` without the certificate).
 
-    ``R`` is the batch for decode and the number of query tokens for extend. ``accumulators`` holds
-    ``reference.CertificateAccumulators`` merged over the splits (``None`` without the certificate).
+    ``R`` is the batch for decode and the number of query tokens for extend.
     """
 
     out: torch.Tensor
     lse: torch.Tensor | None  # None from extend on SDPA ("sdpa-gpu"), which returns none
     certificate: torch.Tensor | None
-    accumulators: reference.CertificateAccumulators | None
+    accumulator_block: torch.Tensor | None
     path: Path
+
+    @property
+    def accumulators(self) -> reference.CertificateAccumulators | None:
+        """The accumulators as ``reference.CertificateAccumulators`` (views of ``accumulator_block``), built when
+        asked: decode runs per layer and step, and only gating's merge reads them."""
+        if self.accumulator_block is None:
+            return None
+        return reference.CertificateAccumulators(*self.accumulator_block.unbind(0))
 
 
 class _SplitPartials(NamedTuple):
@@ -63,36 +72,43 @@ class _SplitPartials(NamedTuple):
     u_max: torch.Tensor
 
 
+_ACCUMULATORS = len(dataclasses.fields(reference.CertificateAccumulators))
+
+
 class _Certificate(NamedTuple):
-    """Stage 2's certificate and its accumulators (``reference.CertificateAccumulators``), each ``[rows, H_q]``
-    float32, in the order stage 2 takes their pointers."""
+    """Stage 2's certificate ``[rows, H_q]`` and its accumulators ``[6, rows, H_q]`` (float32,
+    ``reference.CertificateAccumulators``' fields in order), as stage 2 takes their pointers."""
 
     certificate: torch.Tensor
-    a1_rest: torch.Tensor
-    b_rest: torch.Tensor
-    u_rest: torch.Tensor
-    p_rest: torch.Tensor
-    p_max: torch.Tensor
-    u_max: torch.Tensor
+    accumulators: torch.Tensor
 
     @classmethod
-    def allocate(cls, rows: int, num_q_heads: int, device: torch.device, fill: float | None = None) -> _Certificate:
-        block = torch.empty(len(cls._fields), rows, num_q_heads, dtype=torch.float32, device=device)
+    def allocate(
+        cls,
+        rows: int,
+        num_q_heads: int,
+        device: torch.device,
+        fill: float | None = None,
+        certificate: torch.Tensor | None = None,
+    ) -> _Certificate:
+        """New buffers (``fill``: filled with that value), or the accumulators' only where the caller gives the
+        ``certificate``'s (``decode_attention``'s ``certificate_out``)."""
+        fields = _ACCUMULATORS + (certificate is None)
+        block = torch.empty(fields, rows, num_q_heads, dtype=torch.float32, device=device)
         if fill is not None:
             block.fill_(fill)
-        return cls(*block)
-
-    def accumulators(self) -> reference.CertificateAccumulators:
-        return reference.CertificateAccumulators(
-            **{name: value for name, value in self._asdict().items() if name != "certificate"}
-        )
+            if certificate is not None:
+                certificate.fill_(fill)
+        if certificate is None:
+            return cls(block[0], block[1:])
+        return cls(certificate, block)
 
 
 def _result(out: torch.Tensor, lse: torch.Tensor, stats: _Certificate | None, path: Path) -> AttentionOutput:
     """The output, with the certificate and its accumulators from ``stats`` where there is one."""
     if stats is None:
         return AttentionOutput(out, lse, None, None, path)
-    return AttentionOutput(out, lse, stats.certificate, stats.accumulators(), path)
+    return AttentionOutput(out, lse, stats.certificate, stats.accumulators, path)
 
 
 class _SplitBuffers(NamedTuple):
@@ -107,18 +123,27 @@ class _SplitBuffers(NamedTuple):
 
 
 def _split_buffers(
-    rows: int, num_q_heads: int, splits: int, head_dim: int, certificate: bool, device: torch.device, nan_lse: bool
+    rows: int,
+    num_q_heads: int,
+    splits: int,
+    head_dim: int,
+    certificate: bool,
+    device: torch.device,
+    nan_lse: bool,
+    certificate_out: torch.Tensor | None = None,
 ) -> _SplitBuffers:
     """The buffers of one split-KV call, left unwritten; with ``nan_lse`` the per-split LSE and certificate
-    partials start as NaN (a split no program writes then poisons its row in stage 2)."""
+    partials start as NaN (a split no program writes then poisons its row in stage 2). ``certificate_out``: the
+    certificate's, where the caller gives it."""
     part_out = torch.empty(rows, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
     partials = len(_SplitPartials._fields) if certificate else 0
     part = torch.empty(1 + partials, rows, num_q_heads, splits, dtype=torch.float32, device=device)
     if nan_lse:
         part.fill_(math.nan)
+    part_lse, *part_stats = part.unbind(0)  # one call for every view: decode runs this per layer and step
     lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
-    stats = _Certificate.allocate(rows, num_q_heads, device) if certificate else None
-    return _SplitBuffers(part_out, part[0], _SplitPartials(*part[1:]) if certificate else None, lse, stats)
+    stats = _Certificate.allocate(rows, num_q_heads, device, certificate=certificate_out) if certificate else None
+    return _SplitBuffers(part_out, part_lse, _SplitPartials(*part_stats) if certificate else None, lse, stats)
 
 
 def _pow2(n: int) -> int:
@@ -281,6 +306,7 @@ def _run_triton(
     num_kv_splits: int,
     out: torch.Tensor,
     certificate: bool,
+    certificate_out: torch.Tensor | None,
     skip: torch.Tensor | None,
     use_gluon: bool,
 ) -> AttentionOutput:
@@ -292,7 +318,7 @@ def _run_triton(
     head_blocks = pool.kv_heads * -(-kv_group // block_h)
     device = q.device
     part_out, part_lse, part_stats, lse, stats = _split_buffers(
-        rows, num_q_heads, num_kv_splits, head_dim, certificate, device, nan_lse=False
+        rows, num_q_heads, num_kv_splits, head_dim, certificate, device, nan_lse=False, certificate_out=certificate_out
     )
     q = q if q.stride(2) == 1 else q.contiguous()
     outliers = pool.num_outliers > 0
@@ -440,12 +466,13 @@ def _run_reference(
     delta_step: float,
     out: torch.Tensor,
     certificate: bool,
+    certificate_out: torch.Tensor | None,
     skip: torch.Tensor | None,
 ) -> AttentionOutput:
     rows, num_q_heads, _ = q.shape
     device = q.device
     lse = torch.full((rows, num_q_heads), -math.inf, dtype=torch.float32, device=device)
-    stats = _Certificate.allocate(rows, num_q_heads, device, fill=0.0)
+    stats = _Certificate.allocate(rows, num_q_heads, device, fill=0.0, certificate=certificate_out)
     out.zero_()
     # Every row's tokens dequantized in one pass (K's dither from the pool's channel table), then attention per row.
     k_all = pool.dequantize(layer, kv_indices, "k")
@@ -469,8 +496,8 @@ def _run_reference(
         out[row] = result.out.to(out.dtype)
         lse[row] = result.lse
         stats.certificate[row] = result.certificate
-        for field in dataclasses.fields(result.accumulators):
-            getattr(stats, field.name)[row] = getattr(result.accumulators, field.name)
+        for index, field in enumerate(dataclasses.fields(result.accumulators)):
+            stats.accumulators[index, row] = getattr(result.accumulators, field.name)
     return _result(out, lse, stats if certificate else None, "reference")
 
 
@@ -487,6 +514,7 @@ def _dispatch(
     num_kv_splits: int | None,
     out: torch.Tensor | None,
     certificate: bool,
+    certificate_out: torch.Tensor | None = None,
     skip: torch.Tensor | None = None,
 ) -> AttentionOutput:
     rows, num_q_heads, head_dim = q.shape
@@ -505,6 +533,7 @@ def _dispatch(
             delta_step=delta_step,
             out=out,
             certificate=certificate,
+            certificate_out=certificate_out,
             skip=skip,
         )
     use_gluon = _runs_gluon(q, pool, kv_indices)
@@ -521,6 +550,7 @@ def _dispatch(
         num_kv_splits=splits,
         out=out,
         certificate=certificate,
+        certificate_out=certificate_out,
         skip=skip,
         use_gluon=use_gluon,
     )
@@ -540,11 +570,14 @@ def decode_attention(
     certificate: bool = True,
     validate: bool | None = None,
     skip: torch.Tensor | None = None,
+    certificate_out: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """One decode step: ``q`` ``[B, H_q, D]`` attends to the slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
 
     GQA when ``H_q > H_kv`` (query head ``i`` reads KV head ``i // (H_q / H_kv)``). ``out`` defaults to
-    a new float32 tensor; pass a preallocated one (any float dtype) for CUDA graphs. The number of
+    a new float32 tensor; pass a preallocated one (any float dtype) for CUDA graphs; ``certificate_out``, a
+    contiguous float32 ``[B, H_q]`` tensor, likewise takes the certificate (a report buffer's rows, written in
+    place instead of copied there; ``StepReport.destination``). The number of
     splits is fixed by shapes, never by sequence lengths, so a captured graph replays for any lengths.
     An empty sequence yields ``out = 0``, ``lse = -inf`` and certificate 0. Only 8-bit dithers have a
     Triton path; other widths run the reference.
@@ -566,6 +599,16 @@ def decode_attention(
     _check_index_tensor("kv_indices", kv_indices, q.device)
     if kv_indptr.numel() != q.shape[0] + 1:
         raise ValueError(f"kv_indptr must have B + 1 = {q.shape[0] + 1} entries, got {kv_indptr.numel()}")
+    if certificate_out is not None and (
+        not certificate
+        or not isinstance(certificate_out, torch.Tensor)
+        or certificate_out.dtype != torch.float32
+        or certificate_out.shape != q.shape[:2]
+        or certificate_out.device != q.device
+        or not certificate_out.is_contiguous()
+    ):
+        raise ValueError(f"certificate_out must be a contiguous float32 {list(q.shape[:2])} tensor on {q.device}, "
+                         "with certificate=True")  # fmt: skip
     if validate if validate is not None else q.device.type != "cuda":
         _check_values(kv_indptr, kv_indices, pool)
     kv_start = kv_indptr[:-1]
@@ -582,6 +625,7 @@ def decode_attention(
         num_kv_splits=num_kv_splits,
         out=out,
         certificate=certificate,
+        certificate_out=certificate_out,
         skip=skip,
     )
 

@@ -865,12 +865,7 @@ def decode_stage2(
     Out,
     Lse,
     Certificate,
-    A1Rest,
-    BRest,
-    URest,
-    PRest,
-    PMax,
-    UMax,
+    Accumulators,
     stride_ob,
     stride_oh,
     eval_slack,
@@ -880,7 +875,10 @@ def decode_stage2(
     SPLITS_PAD: tl.constexpr,
     CERTIFICATE: tl.constexpr,
 ):
-    """Merge the splits with LSE weights; evaluate the certificate like ``reference.certificate_from_accumulators``."""
+    """Merge the splits with LSE weights; evaluate the certificate like ``reference.certificate_from_accumulators``.
+
+    ``Accumulators`` is ``[6, rows, NUM_Q_HEADS]``: ``CertificateAccumulators``' fields in order, one block (the grid's
+    rows are its rows), so that the host passes one tensor, not six views."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -938,10 +936,11 @@ def decode_stage2(
         bound = tl.minimum(tl.minimum(t1, t4), tl.minimum(tl.sqrt(b_total / 2.0), tl.sqrt(pa_inner / 2.0)))
         bound = tl.where(has_tokens, bound * eval_slack, 0.0) + poison
         index = row * NUM_Q_HEADS + head
+        field = tl.num_programs(0) * NUM_Q_HEADS  # one field of the accumulators: rows x heads
         tl.store(Certificate + index, bound)
-        tl.store(A1Rest + index, a1 + poison)
-        tl.store(BRest + index, b + poison)
-        tl.store(URest + index, u_rest + poison)
-        tl.store(PRest + index, p_rest + poison)
-        tl.store(PMax + index, p_max + poison)
-        tl.store(UMax + index, u_max + poison)
+        tl.store(Accumulators + index, a1 + poison)
+        tl.store(Accumulators + field + index, b + poison)
+        tl.store(Accumulators + 2 * field + index, u_rest + poison)
+        tl.store(Accumulators + 3 * field + index, p_rest + poison)
+        tl.store(Accumulators + 4 * field + index, p_max + poison)
+        tl.store(Accumulators + 5 * field + index, u_max + poison)

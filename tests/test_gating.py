@@ -501,6 +501,34 @@ class _Observer:
         self.steps.append(tuple(None if x is None else x.clone() for x in (certificates, fallback, repaired_bytes)))
 
 
+def test_certified_decode_writes_certificates_into_the_report_buffer_and_reports_an_unfinished_step_first():
+    """Observe mode with a report: the kernel writes each layer's certificates into the report's buffer (no copy per
+    layer), the observer counts the step once its last layer is in, and a step that stopped after layer 0 is
+    reported, with its own values, before the next step's layer 0 overwrites them."""
+    generator = torch.Generator().manual_seed(3)
+    pool = KVPool(64, 2, H_KV, D, seed=5)
+    for layer in range(2):
+        keys, values = (torch.randn(64, H_KV, D, generator=generator).to(torch.float16) for _ in range(2))
+        pool.write(layer, torch.arange(64), keys, values)
+    observer = _Observer()
+    report = StepReport(observer, 2, 2, H_Q, gate=False, device=torch.device("cpu"), owner="the test")
+    decode = CertifiedDecode(pool, CachePolicy(mode=GateMode.OBSERVE), DELTA, report=report)
+    paging = DecodePaging.build(torch.tensor([0, 40, 64]), torch.arange(64), gate=False)
+    q = (4.0 * torch.randn(2, H_Q, D, generator=generator)).to(torch.float16)
+    steps = [decode(layer, q, paging, SM_SCALE) for layer in range(2)]
+    for layer, step in enumerate(steps):
+        assert step.certificate.data_ptr() == report.certificates[layer].data_ptr()
+        plain = decode_attention(
+            q, pool, layer, paging.kv_indptr, paging.kv_indices, sm_scale=SM_SCALE, delta_step=DELTA
+        )
+        assert torch.equal(step.certificate, plain.certificate)
+    ((certificates, _, _),) = observer.steps
+    assert torch.equal(certificates, torch.stack([step.certificate for step in steps]))
+    unfinished = decode(0, q, paging, SM_SCALE).certificate.clone()  # its layer 1 never runs
+    decode(0, 2 * q, paging, SM_SCALE)
+    assert len(observer.steps) == 2 and torch.equal(observer.steps[1][0], unfinished[None])
+
+
 def test_certified_decode_repairs_rows_of_unequal_length_sharing_a_prefix_and_reads_them_exactly_after():
     """The engine-agnostic gated step: rows of two lengths reading a shared prefix (each slot read by both) end
     within tau, each row's output is the attention over its mixed keys, the report gets what the step returns,

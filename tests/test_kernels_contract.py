@@ -501,6 +501,18 @@ def test_tiled_extend_poisons_a_malformed_sequence_instead_of_reading_it(tiled_e
     assert relative_error(result.out[8], expected.out) < 1e-5
 
 
+def test_decode_writes_the_certificate_into_certificate_out():
+    """A preallocated certificate (a report buffer's rows) is written in place, with the values a new one gets."""
+    pool, indptr, slots = filled_pool([300, 40], kv_heads=2)
+    q = _query(2, 14)
+    plain = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
+    buffer = torch.full((3, 2, 14), math.nan)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, certificate_out=buffer[1])
+    assert result.certificate.data_ptr() == buffer[1].data_ptr()
+    assert torch.equal(buffer[1], plain.certificate) and buffer[[0, 2]].isnan().all()
+    assert torch.equal(result.accumulator_block, plain.accumulator_block)
+
+
 # --- bad input -----------------------------------------------------------------------------------------
 
 
@@ -527,6 +539,11 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q, pool, 1, indptr, slots, delta_step=0.0)
     with pytest.raises(TypeError, match="int32/int64"):
         decode_attention(q, pool, 1, indptr.float(), slots, delta_step=DELTA)
+    for certificate_out, certificate in ((torch.empty(2, 7), True), (torch.empty(2, 14), False)):
+        with pytest.raises(ValueError, match="certificate_out"):
+            decode_attention(
+                q, pool, 1, indptr, slots, delta_step=DELTA, certificate=certificate, certificate_out=certificate_out
+            )
     k = torch.zeros(2, 2, 128, dtype=torch.float16)
     with pytest.raises(TypeError, match="pool's dtype"):
         pool.write(1, torch.tensor([0, 1]), k.float(), k.float())

@@ -10,8 +10,8 @@ backup. This module is the paging glue: SGLang's ``req_to_token`` table gives ea
 rewrites its slot (``set_kv_buffer`` clears its mask, and the store drops the entry at its next addition). Gate
 mode syncs with the host once per decode step (the batch's paging and how often a slot repeats in it) and once
 per layer (which rows exceed tau); observe and off modes never.
-Each layer's certificates (with fallbacks and repaired bytes in gate mode) are copied into per-step
-buffers ``[L, B_max, H_q]``; when the last layer of the step has written, this TP rank's
+Each layer's certificates go into per-step buffers ``[L, B_max, H_q]`` (the kernel writes them there; fallbacks and
+repaired bytes in gate mode are copied); when the last layer of the step has written, this TP rank's
 ``CertificateAggregator`` counts the whole step in one ``observe_layers`` launch (not one per layer).
 When a collector is configured, the counts stream out over OTLP with the rank as a resource attribute.
 

@@ -3,7 +3,9 @@
 Both integrations (the transformers cache and the SGLang backend) decode layer by layer; each layer's
 certificates ``[B, H_q]`` (and in gate mode its fallback flags and repaired bytes) are copied into
 ``[L, B_max, H_q]`` buffers, and the observer (``CertificateAggregator``) counts the whole step with
-one ``observe_layers`` launch instead of one per layer. Copies only: no host sync, no allocation.
+one ``observe_layers`` launch instead of one per layer. No host sync, no allocation: the decode kernel writes each
+layer's certificates into the buffer itself (``destination``, ``decode_attention``'s ``certificate_out``), and
+``record`` copies only what was computed elsewhere (gating's merged and repaired certificates, fallbacks, bytes).
 """
 
 from __future__ import annotations
@@ -54,16 +56,46 @@ class StepReport:
         self._repairs_written = [False] * num_layers
         self.pending_layers = 0
         self.rows = 0
+        self._destination: torch.Tensor | None = None  # the rows handed out by ``destination``, until recorded
+
+    def destination(self, layer: int, rows: int) -> torch.Tensor:
+        """The buffer's ``[rows, H_q]`` for layer ``layer``'s certificates (contiguous float32), for the kernel to
+        write in place; ``record`` of that tensor then copies nothing. Checks the layer's order and the batch as
+        ``record`` does, and first reports a step that stopped before its last layer (its rows are about to be
+        overwritten)."""
+        self._check(layer, rows)
+        self._destination = self.certificates[layer, :rows]
+        return self._destination
 
     def record(
         self, layer: int, certificate: torch.Tensor, fallback: torch.Tensor | None, repaired: torch.Tensor | None
     ) -> None:
-        """Copy one layer's ``[rows, H_q]`` into the buffers; report the step once its last layer is in.
+        """Put one layer's ``[rows, H_q]`` into the buffers (a copy, unless ``certificate`` is this layer's
+        ``destination``); report the step once its last layer is in.
 
         ``fallback`` and ``repaired`` are ``None`` in observe mode, and in gate mode when nothing was
         repaired: a gated layer that repaired nothing costs nothing more unless its rows still hold a repair.
         """
         rows = certificate.shape[0]
+        self._check(layer, rows)
+        if certificate is not self._destination:
+            self.certificates[layer, :rows].copy_(certificate)
+        self._destination = None
+        if self.fallbacks is not None:
+            if fallback is not None:
+                self.fallbacks[layer, :rows].copy_(fallback)
+                self.repaired_bytes[layer, :rows].copy_(repaired)
+            elif self._repairs_written[layer]:
+                self.fallbacks[layer].zero_()
+                self.repaired_bytes[layer].zero_()
+            self._repairs_written[layer] = fallback is not None
+        self.pending_layers, self.rows = layer + 1, rows
+        if self.pending_layers == self.certificates.shape[0]:
+            self.flush()
+
+    def _check(self, layer: int, rows: int) -> None:
+        """Layer ``layer`` of ``rows`` sequences comes next: in order, the batch of the step's layer 0, within the
+        buffers; at layer 0, an unfinished step before it is reported first."""
         if layer != self.pending_layers:
             if layer != 0:
                 raise RuntimeError(
@@ -78,18 +110,6 @@ class StepReport:
                 f"a decode batch of {rows} sequences exceeds the {self.certificates.shape[1]} rows "
                 f"{self.owner} sized its certificate buffers for"
             )
-        self.certificates[layer, :rows].copy_(certificate)
-        if self.fallbacks is not None:
-            if fallback is not None:
-                self.fallbacks[layer, :rows].copy_(fallback)
-                self.repaired_bytes[layer, :rows].copy_(repaired)
-            elif self._repairs_written[layer]:
-                self.fallbacks[layer].zero_()
-                self.repaired_bytes[layer].zero_()
-            self._repairs_written[layer] = fallback is not None
-        self.pending_layers, self.rows = layer + 1, rows
-        if self.pending_layers == self.certificates.shape[0]:
-            self.flush()
 
     def flush(self) -> None:
         """Report the layers of the current step written so far, in one ``observe_layers`` call.
