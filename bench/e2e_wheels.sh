@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds .whl/ (ignored by git): the wheels bench/bench_e2e.py needs on the GPU machine beyond what its image
 # holds (Python 3.12; torch 2.11, triton 3.6, numpy, grpcio, protobuf, tokenizers, safetensors, requests and
-# the like are there: docs/DEMO.md gives the device command). About 33 MB: the machine takes 64 MiB a call.
+# the like are there: docs/DEMO.md gives the device command, which installs these with --no-deps: the image's
+# tokenizers pins an older huggingface-hub). About 30 MB: the machine takes 64 MiB a call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .whl
