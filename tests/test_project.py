@@ -36,3 +36,10 @@ def test_cli_help_lists_its_subcommands():
         )
         assert help_result.returncode == 0, (name, help_result.stderr)
         assert sub.description, f"`witcert {name} --help` has no description"
+
+
+def test_the_tree_is_ruff_clean():
+    # ruff is pinned in the test extra: a newer release may add rules or change the format it checks.
+    for command in (["check", "."], ["format", "--check", "."]):
+        result = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, f"ruff {' '.join(command)}:\n{result.stdout}{result.stderr}"
