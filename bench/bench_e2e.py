@@ -5,7 +5,7 @@ Model. The architecture of SmolLM2-135M-Instruct (the demo's model: Llama, 30 la
 head_dim 64, hidden 576, vocab 49152, RoPE theta 1e5) with **random weights** (``random_model``): the trained
 weights (540 MB as float32) do not travel to the device machine, and step time does not depend on the values
 (gate mode's repairs do: its fallback counts here describe random weights, not the trained model). ``--arch
-llama8`` is the 8-layer, 32 / 8 heads, head_dim 128 random model of the earlier table (docs/DEMO.md). fp16.
+llama8`` is the 8-layer, 32 / 8 heads, head_dim 128 random model (the breakdown runs both). fp16.
 
 Decode table. For every batch (``--batches``), context (``--contexts``) and mode: the prompt is prefilled (logits
 of the last position only), ``--warmup`` greedy steps run (Triton compiles), then ``--steps`` steps are timed one
