@@ -27,6 +27,7 @@ and, for comparison, for the same samples inserted as raw exporter-format rows i
 straight to the typed table. The collector's RSS: ``VmRSS`` once it listens (idle, store open) and
 ``VmHWM`` after the loads (peak).
 
+``--skip-replay`` and ``--skip-sdk`` leave those loads out (``--small-prebuilt 0`` the small one).
 ``--repeats N`` runs everything N times on fresh collectors and reports medians (the machine may be
 shared). ``--baseline-pythonpath DIR`` interleaves each repeat with a second collector whose
 ``witcert`` package is imported from DIR (another checkout: ``git worktree add``, then a folder
@@ -374,7 +375,9 @@ def run_collector(args: argparse.Namespace, pythonpath: str | None) -> dict:
         process, port = start_collector(Path(tmp), pythonpath)
         try:
             idle = rss_mib(process.pid, "VmRSS")
-            result = {"replay": run_replay(port, process.pid, args, "replay", args.layers, args.heads, args.prebuilt)}
+            result = {}
+            if not args.skip_replay:
+                result["replay"] = run_replay(port, process.pid, args, "replay", args.layers, args.heads, args.prebuilt)
             if not args.skip_sdk:
                 result["sdk"] = run_sdk(port, process.pid, args, "sdk")
             if args.small_prebuilt:
@@ -439,6 +442,7 @@ def main() -> None:
     parser.add_argument("--baseline-label", default="baseline")
     parser.add_argument("--label", default="this checkout", help="name of this checkout's collector in the table")
     parser.add_argument("--disk-samples", type=int, default=1_000_000, help="0: skip the disk measurement")
+    parser.add_argument("--skip-replay", action="store_true")
     parser.add_argument("--skip-sdk", action="store_true")
     parser.add_argument(
         "--small-prebuilt", type=int, default=6000, help="replay_small requests built before its clock starts (0: skip)"

@@ -189,6 +189,8 @@ class Store:
         self.client = None
         self._lock = threading.Lock()
         self._chdb_path: Path | None = None
+        # (table, column names) -> the columns' ClickHouse types, read once (DESCRIBE) per connection.
+        self._column_types: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
         if connect:
             self.connect()
 
@@ -218,6 +220,7 @@ class Store:
             if isinstance(error, Exception) and not isinstance(error, StoreError):
                 raise StoreError(f"cannot prepare the store {self.location.describe()}: {error}") from error
             raise
+        self._column_types.clear()
         self.client, self._lock = client, lock
 
     def _connect_server(self):
@@ -250,13 +253,30 @@ class Store:
         return client
 
     def insert_columns(self, table: str, columns: Mapping[str, Sequence[Any]], token: str) -> None:
-        """Insert column-oriented rows; a repeat with the same token is dropped by the store."""
-        names = list(columns)
+        """Insert column-oriented rows; a repeat with the same token is dropped by the store.
+
+        The columns' types are read from the store on the first insert of a table and its column
+        names, and again after any failed insert (the table may have changed)."""
+        names = tuple(columns)
         settings = dict(_INSERT_SETTINGS, insert_deduplication_token=token)
         with self._lock:
-            self._connected_client().insert(
-                table, [columns[name] for name in names], column_names=names, column_oriented=True, settings=settings
-            )
+            client = self._connected_client()
+            key = (table, names)
+            types = self._column_types.get(key)
+            if types is None:
+                types = self._column_types[key] = list(client.create_insert_context(table, list(names)).column_types)
+            try:
+                client.insert(
+                    table,
+                    [columns[name] for name in names],
+                    column_names=list(names),
+                    column_types=types,
+                    column_oriented=True,
+                    settings=settings,
+                )
+            except BaseException:
+                self._column_types.pop(key, None)
+                raise
 
     def query(self, sql: str, parameters: Mapping[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
         """Run a parameterised read (``{name:Type}`` placeholders); return column names and rows."""
@@ -285,6 +305,7 @@ class Store:
 
     def close(self) -> None:
         client, self.client = self.client, None
+        self._column_types.clear()
         if client is not None:
             self._close_client(client)
 
