@@ -25,7 +25,9 @@ from clickhouse_connect.driver.exceptions import ClickHouseError, DatabaseError,
 from witcert.collector import migrations
 from witcert.collector.config import Retention
 
-_INSERT_SETTINGS = {"deduplicate_blocks_in_dependent_materialized_views": 1, "insert_deduplicate": 1}
+# max_threads = 1: an insert of one request's rows runs in the calling thread; handing it to the
+# store's query threads costs more CPU than it saves (bench/results/ingest_small_requests.md).
+_INSERT_SETTINGS = {"deduplicate_blocks_in_dependent_materialized_views": 1, "insert_deduplicate": 1, "max_threads": 1}
 
 
 class StoreError(RuntimeError):
