@@ -26,7 +26,7 @@ from witcert.collector import migrations
 from witcert.collector.config import Retention
 
 # max_threads = 1: an insert of one request's rows runs in the calling thread; handing it to the
-# store's query threads costs more CPU than it saves (bench/results/ingest_small_requests.md).
+# store's query threads costs more CPU than it saves (docs/COLLECTOR.md, "Performance").
 _INSERT_SETTINGS = {"deduplicate_blocks_in_dependent_materialized_views": 1, "insert_deduplicate": 1, "max_threads": 1}
 
 
