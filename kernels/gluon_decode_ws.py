@@ -37,7 +37,6 @@ from witcert.kernels.gluon_tiles import (
     BLOCK_N,
     GROUP_SIZE,
     HEAD_DIM,
-    HEADS,
     ROW_MAJOR,
     ROW_MAJOR_2D,
     TOKEN_ROW,
@@ -46,6 +45,7 @@ from witcert.kernels.gluon_tiles import (
     async_load,
     certificate_tile,
     loop_start,
+    program_heads,
     pv_tokens,
     qk_tile,
     query_operands,
@@ -196,12 +196,7 @@ def decode_stage1_ws(
     HAS_SKIP: gl.constexpr, OFFSETS_64: gl.constexpr, NUM_SPLITS: gl.constexpr,
 ):  # fmt: skip
     """One (row, block of 8 query heads, split): the outputs of ``gluon_decode.decode_stage1_gluon``."""
-    row = gl.program_id(0)
-    head_block = gl.program_id(1)
-    split = gl.program_id(2)
-    blocks_per_kv_head: gl.constexpr = (KV_GROUP + HEADS - 1) // HEADS
-    kv_head = head_block // blocks_per_kv_head
-    first_local = (head_block % blocks_per_kv_head) * HEADS
+    row, split, kv_head, first_local = program_heads(KV_GROUP)
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 

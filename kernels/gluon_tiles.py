@@ -432,6 +432,17 @@ def _relabel_v(x):
 
 
 @gluon.jit
+def program_heads(KV_GROUP: gl.constexpr):
+    """This program's batch row, split, KV head and first query head within the KV head's group: the grid is
+    (rows, blocks of ``HEADS`` query heads, splits), and a KV head's group may take several blocks."""
+    head_block = gl.program_id(1)
+    blocks_per_kv_head: gl.constexpr = (KV_GROUP + HEADS - 1) // HEADS
+    kv_head = head_block // blocks_per_kv_head
+    first_local = (head_block % blocks_per_kv_head) * HEADS
+    return gl.program_id(0), gl.program_id(2), kv_head, first_local
+
+
+@gluon.jit
 def slot_row(slots, num_slots, NUM_KV_HEADS: gl.constexpr, kv_head):
     """Row ``slot * H_kv + kv_head`` of ``slots``, an out-of-range slot clamped to a real one (it weighs nothing).
     32-bit (``supports`` asks for fewer than 2**29 rows); the copies widen the byte offsets where the pool's
