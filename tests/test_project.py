@@ -43,3 +43,17 @@ def test_the_tree_is_ruff_clean():
     for command in (["check", "."], ["format", "--check", "."]):
         result = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, f"ruff {' '.join(command)}:\n{result.stdout}{result.stderr}"
+
+
+def test_no_product_module_imports_another_modules_private_names():
+    import ast
+
+    found = []
+    for area in ("kernels", "integrations", "collector", "dashboards", "witcert"):
+        for path in sorted((ROOT / area).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("witcert"):
+                    private = [a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
+                    if private:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {private}")
+    assert not found, "\n".join(found)
