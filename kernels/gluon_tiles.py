@@ -687,7 +687,8 @@ def certificate_tile(
     is_arg = index == tile_arg[:, None, :]
     u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
     g_arg = g_of(u_arg, True)
-    rest = (~is_arg) & token_ok[:, :, None]
+    # Masked-off tokens weigh 0 and their radius is 0: the argmax is the only token the rest sums leave out.
+    rest_weights = gl.where(is_arg, 0.0, weights)
     # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
     # the max moved into this tile, else this tile's argmax (weight weight_arg).
     weight_arg = _exp2(tile_max - shift)
@@ -695,10 +696,10 @@ def certificate_tile(
     fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
     fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
     fold_w = gl.where(moved, alpha, weight_arg)
-    tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))
+    tile_b = inf_where_nan(_thread_sum(rest_weights * g_of(radius, True, True)))
     b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
-    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), fold_row, fold_u)
-    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, fold_w)
+    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(rest_weights * radius), fold_row, fold_u)
+    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(rest_weights), fold_row, fold_w)
     u_max = gl.where(moved, u_arg, u_max)
     g_max = gl.where(moved, g_arg, g_max)
     return b_rest, u_rest, w_rest, u_max, g_max
