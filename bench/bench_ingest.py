@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from witcert.collector.loadgen import OtlpHttpClient, samples_request
@@ -428,6 +429,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def checkouts(label: str, baseline_label: str, baseline_pythonpath: str | None) -> dict[str, str | None]:
+    """The variants to time: label -> PYTHONPATH (None: this checkout), the baseline first where one is given."""
+    variants: dict[str, str | None] = {label: None}
+    if baseline_pythonpath:
+        variants = {baseline_label: baseline_pythonpath, **variants}
+    return variants
+
+
+def alternated(variants: dict[str, str | None], repeats: int) -> Iterator[tuple[int, str, str | None]]:
+    """``(repeat, label, pythonpath)`` over ``repeats`` rounds of ``variants``, every other round in reverse
+    order, so that neither variant always runs first."""
+    for repeat in range(repeats):
+        order = list(variants.items())
+        if repeat % 2:
+            order.reverse()
+        for label, pythonpath in order:
+            yield repeat, label, pythonpath
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="duration of each load")
@@ -456,18 +476,12 @@ def main() -> None:
         "command": "python bench/bench_ingest.py " + " ".join(sys.argv[1:]),
         "parameters": vars(args),
     }
-    variants: dict[str, str | None] = {args.label: None}
-    if args.baseline_pythonpath:
-        variants = {args.baseline_label: args.baseline_pythonpath, **variants}
+    variants = checkouts(args.label, args.baseline_label, args.baseline_pythonpath)
     runs: dict[str, list[dict]] = {label: [] for label in variants}
-    for repeat in range(args.repeats):
-        order = list(variants.items())
-        if repeat % 2:
-            order.reverse()  # neither variant always runs first
-        for label, pythonpath in order:
-            result = run_collector(args, pythonpath)
-            runs[label].append(result)
-            print(label, repeat, json.dumps(result), flush=True)
+    for repeat, label, pythonpath in alternated(variants, args.repeats):
+        result = run_collector(args, pythonpath)
+        runs[label].append(result)
+        print(label, repeat, json.dumps(result), flush=True)
     report["runs"] = runs
     report["load_averages"] = sorted(
         run[load]["load_average_1m_at_start"] for label in runs for run in runs[label] for load in run

@@ -104,22 +104,20 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.requests)))
         return
-    variants: dict[str, str | None] = {args.label: None}
-    if args.baseline_pythonpath:
-        variants = {args.baseline_label: args.baseline_pythonpath, **variants}
+    # bench_ingest (bench/) alternates the checkouts; imported here, not in the child, which may run another checkout.
+    sys.path.insert(0, str(RESULTS.parent))
+    from bench_ingest import alternated, checkouts
+
+    variants = checkouts(args.label, args.baseline_label, args.baseline_pythonpath)
     runs: dict[str, list[dict]] = {label: [] for label in variants}
-    for repeat in range(args.repeats):
-        order = list(variants.items())
-        if repeat % 2:
-            order.reverse()
-        for label, pythonpath in order:
-            env = dict(os.environ)
-            if pythonpath:
-                env["PYTHONPATH"] = pythonpath
-            command = [sys.executable, "-P", __file__, "--child", "--requests", str(args.requests)]
-            output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-            runs[label].append(json.loads(output.splitlines()[-1]))
-            print(label, repeat, runs[label][-1], flush=True)
+    for repeat, label, pythonpath in alternated(variants, args.repeats):
+        env = dict(os.environ)
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        command = [sys.executable, "-P", __file__, "--child", "--requests", str(args.requests)]
+        output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        runs[label].append(json.loads(output.splitlines()[-1]))
+        print(label, repeat, runs[label][-1], flush=True)
     medians = {
         label: {
             part: round(statistics.median(run.get(part, 0.0) for run in label_runs), 3)
