@@ -68,6 +68,20 @@ def filled_pool(
     return pool, indptr.to(device), slots.to(device)
 
 
+def radius_straddling_case(
+    device: torch.device | str, delta: float
+) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys scaled (6.5 x randn) so that the radii of two rows (700 and 129 tokens, 4 KV heads of 7 query heads)
+    lie on both sides of 1/4, where ``g``'s evaluation changes route (its series below, the exponential from
+    there on): at least a fifth of each side, asserted against the reference. Returns (pool, indptr, slots, q)."""
+    pool, indptr, slots = filled_pool([700, 129], kv_heads=4, v_dither=False, device=device, key_scale=6.5)
+    q = torch.randn(2, 28, 128, generator=torch.Generator().manual_seed(7)).half().to(device)
+    radius = oracle(q[0], pool, 1, slots[:700], delta=delta).radius
+    quarter = float((radius < 0.25).float().mean())
+    assert 0.2 <= quarter <= 0.8, f"{quarter:.2f} of the radii are below 1/4"
+    return pool, indptr, slots, q
+
+
 def far_token_case(
     device: torch.device | str = "cpu",
 ) -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:

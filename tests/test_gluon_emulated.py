@@ -23,6 +23,7 @@ from kernel_cases import (  # noqa: E402
     non_finite_token_readers,
     oracle,
     overflowing_query_case,
+    radius_straddling_case,
     relative_error,
 )
 
@@ -60,6 +61,13 @@ def test_emulated_gluon_decode_matches_reference(run_gluon, kv_heads, group, pag
     pool, indptr, slots = filled_pool(lengths, kv_heads=kv_heads, page_size=page_size, v_dither=v_dither, dtype=dtype)
     q = _query(len(lengths), kv_heads * group, dtype=dtype)
     result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+    assert result.path == "gluon-gpu"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+def test_emulated_gluon_radii_on_both_sides_of_a_quarter_match_reference(run_gluon):
+    pool, indptr, slots, q = radius_straddling_case("cpu", DELTA)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
     assert result.path == "gluon-gpu"
     assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 

@@ -16,6 +16,7 @@ from kernel_cases import (
     oracle,
     overflowing_extend_certificates,
     overflowing_query_case,
+    radius_straddling_case,
     relative_error,
 )
 
@@ -342,6 +343,14 @@ def test_malformed_rows_on_gpu_are_poisoned_without_a_device_fault(v_dither, sta
     assert torch.isnan(result.certificate[1]).all() and torch.isfinite(result.certificate[0]).all()
     with pytest.raises(ValueError, match="slots in"):
         decode_attention(q, pool, 1, indptr, bad, delta_step=DELTA, validate=True)
+
+
+def test_radii_on_both_sides_of_a_quarter_match_reference_on_gpu(stage1):
+    """g's two routes (the series below 1/4, the exponential from there), mixed within a thread's radii."""
+    pool, indptr, slots, q = radius_straddling_case(CUDA, DELTA)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA)
+    assert result.path == _expected_path(q, pool)
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 
 
 def test_an_overflowing_radius_counts_where_its_weight_underflows_on_gpu(stage1):
