@@ -13,9 +13,10 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
 * **Dither.** K's ``xi = alpha_c`` (docs/THEORY.md, section 1) costs no per-token work: it enters once per
   split as ``sum_c q_c alpha_c`` per (head, group), the QK MMAs' start value.
 * **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T`` in halves of 16 tokens and
-  64 channels: a thread loads 8 contiguous V bytes per token, one asm block interleaves tokens t and
-  t + 1 by ``prmt`` into ``f16x2`` registers and scales them into the exact ``v_hi + v_lo``, and the
-  output channels are relabelled (undone at the store).
+  64 channels: ldmatrix's transposed form reads V's codes as 16-bit pairs of channels, so that each register
+  holds one pair of tokens t and t + 1, the pairing an ``f16x2`` operand needs; one asm block per two tokens of
+  two groups expands the bytes by ``prmt`` and scales them into the exact ``v_hi + v_lo``, and the output
+  channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max,
   sums and output accumulator; the four are merged once per split, with the same algebra as the
   split merge of stage 2. q's dither offsets and the radius operands wait in shared memory. The weights'
@@ -76,6 +77,9 @@ _LN2 = gl.constexpr(0.6931471805599453)
 # memory).
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+# Triton 3.9 made the view of a shared buffer as another dtype public (3.6: ``_reinterpret``, same arguments).
+if not hasattr(gl.shared_memory_descriptor, "reinterpret"):
+    gl.shared_memory_descriptor.reinterpret = gl.shared_memory_descriptor._reinterpret
 
 
 _P_SCALE = gl.constexpr(16384.0)
@@ -97,10 +101,8 @@ K_GROUP = gl.constexpr(
         shape=[4, 32, 32],
     )
 )
-# V codes of 16 tokens per warp and half the channels, [warp, token, 64]: loaded index c is channel
-# 16 (c // 8) + 8 half + c % 8, so a thread reads 8 contiguous bytes per token. _V_PAIRS is the same
-# registers reordered so that tokens t and t + 1 are neighbours for the pairing asm; _V_PAIRS4 views
-# the 64 as [group, 16] (a thread's 8 channels share one group).
+# V codes of 16 tokens per warp and half the channels, [warp, token, 64], as copied: index c is channel
+# 16 (c // 8) + 8 half + c % 8, so a thread copies 8 contiguous bytes per token.
 V_LOAD = gl.constexpr(
     gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 8, 0]],
@@ -110,25 +112,33 @@ V_LOAD = gl.constexpr(
         shape=[4, 16, 64],
     )
 )
-_V_PAIRS = gl.constexpr(
+# The same codes read as 16-bit pairs of indices, [warp, token, 32]: element j holds indices 2 j and 2 j + 1.
+# _V_FRAGMENT is the placement of ldmatrix's transposed 8x8 16-bit matrices: a thread's register holds pair j of
+# tokens t and t + 1 (t = 2 (lane % 4), plus 8), j = lane // 4 + 8 g, which is all the pairing the f16x2 operands
+# need, and pair j's channels lie in group g. Registers in the order token, group's bit 0, token's bit 3, group's
+# bit 1: one _v_split takes two tokens of two groups.
+_V_FRAGMENT = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 0, 4], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
+        reg_bases=[[0, 1, 0], [0, 0, 8], [0, 8, 0], [0, 0, 16]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
         warp_bases=[[1, 0, 0], [2, 0, 0]],
         block_bases=[],
-        shape=[4, 16, 64],
+        shape=[4, 16, 32],
     )
 )
-_V_PAIRS4 = gl.constexpr(
+# V's scales as 32-bit words (a token's groups 2 w and 2 w + 1), [warp, token, w, group bit 0, 8], broadcast over
+# the last two to _V_FRAGMENT's j = 8 (2 w + bit) + r; a thread's words, first in its registers, are 16 contiguous
+# bytes a token pair (one load).
+_V_WORDS5 = gl.constexpr(
     gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 0, 0, 4], [0, 8, 0, 0]],
-        lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 8], [0, 0, 1, 0], [0, 0, 2, 0]],
-        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]],
+        reg_bases=[[0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 8, 0, 0, 0], [0, 0, 0, 1, 0]],
+        lane_bases=[[0, 2, 0, 0, 0], [0, 4, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]],
+        warp_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]],
         block_bases=[],
-        shape=[4, 16, 4, 16],
+        shape=[4, 16, 2, 2, 8],
     )
 )
-_V_SCALES = gl.constexpr(gl.SliceLayout(3, _V_PAIRS4))
+_V_WORDS = gl.constexpr(gl.SliceLayout(3, gl.SliceLayout(4, _V_WORDS5)))
 # A dithered V's scales read once more for the dither's sums, [4 half + warp, token, group], placed as the logits'
 # rows hold token 32 warp + 16 half + t (_K_SCALES for V's buffer), so that no layout change follows the read.
 _V_SCALES_ROWS = gl.constexpr(
@@ -184,13 +194,22 @@ _K_SCALES = gl.constexpr(
         shape=[128, 4],
     )
 )
-# V codes of a tile half: V_LOAD's [warp, token, 64] placed so that the 16 lanes of a half-warp read 128 contiguous
-# bytes.
+# V codes of a tile half: V_LOAD's [warp, token, 64] placed so that the 16 lanes of a half-warp copy 128 contiguous
+# bytes, and each token's indices 16 i .. 16 i + 15 are one 16-byte row of an ldmatrix. V_PAIRS_SHARED is the same
+# buffer as 16-bit pairs of indices (_V_FRAGMENT's [warp, token, 32]).
 V_SHARED = gl.constexpr(
     gl.SharedLinearLayout(
         offset_bases=[
             [0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 2, 0], [0, 4, 0], [0, 0, 32], [0, 1, 0],
             [0, 8, 0], [1, 0, 0], [2, 0, 0],
+        ]
+    )
+)  # fmt: skip
+V_PAIRS_SHARED = gl.constexpr(
+    gl.SharedLinearLayout(
+        offset_bases=[
+            [0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 1, 0], [0, 8, 0],
+            [1, 0, 0], [2, 0, 0],
         ]
     )
 )  # fmt: skip
@@ -373,62 +392,61 @@ def _neg_codes(codes):
 
 
 @gluon.jit
-def _v_pairs(codes, scales):
-    """Tokens ``t, t + 1`` x channels ``c .. c + 3`` -> ``(hi, lo)``, four ``f16x2`` (token t, token t + 1) each,
-    with ``hi + lo = s * code`` exactly (``s`` the token's group scale, the same for the four channels).
+def _v_split(pairs, words):
+    """Two tokens t, t + 1 of two groups' index pairs (``_V_FRAGMENT``'s registers: pair j of both tokens, token
+    t in the low half, for group 2 w and then 2 w + 1) and the tokens' scale words (``_V_WORDS5``: token t's and
+    t + 1's groups 2 w, 2 w + 1) -> ``(hi_even, hi_odd, lo_even, lo_odd)``, ``f16x2`` words (token t, token t + 1)
+    with ``hi + lo = s * code`` exactly for index 2 j (even) and 2 j + 1 (odd).
 
-    Element ``i`` of the eight in comes from token ``i // 4``, channel ``i % 4``; element ``i`` out is
-    token ``i % 2``, channel ``i // 2`` (the caller relabels). ``hi = fp16(s code)`` and the fma's
-    remainder are exact: the product has at most 19 significant bits on the 2**-24 grid.
+    One ``prmt`` a channel puts the two tokens' bytes under the fp16 exponent byte 0x64 (``1152 + code``,
+    ``_neg_codes``), one a group pairs the tokens' scales; ``hi = fp16(s code)`` and the fma's remainder are
+    exact: the product has at most 19 significant bits on the 2**-24 grid.
     """
     return gl.inline_asm_elementwise(
         """
         {
-        .reg .b32 lo, hi, offset, s, neg;
+        .reg .b32 even, odd, offset, s;
         mov.b32 offset, 0xE480E480;
-        prmt.b32 s, $10, $12, 0x5410;
-        prmt.b32 lo, $8, $9, 0x5140;
-        prmt.b32 hi, $8, $9, 0x7362;
-        prmt.b32 $0, lo, 0x64646464, 0x4140;
-        prmt.b32 $1, lo, 0x64646464, 0x4342;
-        prmt.b32 $2, hi, 0x64646464, 0x4140;
-        prmt.b32 $3, hi, 0x64646464, 0x4342;
-        add.rn.f16x2 $4, $0, offset;
-        add.rn.f16x2 $5, $1, offset;
-        add.rn.f16x2 $6, $2, offset;
-        add.rn.f16x2 $7, $3, offset;
-        mul.rn.f16x2 $0, $4, s;
-        mul.rn.f16x2 $1, $5, s;
-        mul.rn.f16x2 $2, $6, s;
-        mul.rn.f16x2 $3, $7, s;
-        neg.f16x2 neg, $0;
-        fma.rn.f16x2 $4, $4, s, neg;
-        neg.f16x2 neg, $1;
-        fma.rn.f16x2 $5, $5, s, neg;
-        neg.f16x2 neg, $2;
-        fma.rn.f16x2 $6, $6, s, neg;
-        neg.f16x2 neg, $3;
-        fma.rn.f16x2 $7, $7, s, neg;
+        prmt.b32 s, $10, $11, 0x5410;
+        prmt.b32 even, $8, 0x64646464, 0x4240;
+        prmt.b32 odd, $8, 0x64646464, 0x4341;
+        add.rn.f16x2 even, even, offset;
+        add.rn.f16x2 odd, odd, offset;
+        mul.rn.f16x2 $0, even, s;
+        mul.rn.f16x2 $2, odd, s;
+        neg.f16x2 $4, $0;
+        fma.rn.f16x2 $4, even, s, $4;
+        neg.f16x2 $6, $2;
+        fma.rn.f16x2 $6, odd, s, $6;
+        prmt.b32 s, $10, $11, 0x7632;
+        prmt.b32 even, $9, 0x64646464, 0x4240;
+        prmt.b32 odd, $9, 0x64646464, 0x4341;
+        add.rn.f16x2 even, even, offset;
+        add.rn.f16x2 odd, odd, offset;
+        mul.rn.f16x2 $1, even, s;
+        mul.rn.f16x2 $3, odd, s;
+        neg.f16x2 $5, $1;
+        fma.rn.f16x2 $5, even, s, $5;
+        neg.f16x2 $7, $3;
+        fma.rn.f16x2 $7, odd, s, $7;
         }
         """,
         "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
-        [codes, scales],
-        dtype=(gl.float16, gl.float16),
+        [pairs, words],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
         is_pure=True,
-        pack=8,
+        pack=4,
     )
 
 
 @gluon.jit
-def _relabel_v(x):
-    """Pairing-asm output ``[warp, 16, 64]`` -> ``V^T [warp, MMA row, token]``, the operand ``_OP_A``.
-
-    Element (token label 2T + x, index label 4C + 2y + z) holds token 2T + z, index 4C + 2x + y; index c
-    then goes to MMA row 8 (c % 8) + c // 8.
-    """
-    x = gl.reshape(gl.permute(gl.reshape(x, [4, 8, 2, 16, 2, 2]), [0, 1, 5, 3, 2, 4]), [4, 16, 64])
-    x = gl.reshape(gl.permute(gl.reshape(x, [4, 16, 8, 8]), [0, 1, 3, 2]), [4, 16, 64])
-    return gl.convert_layout(gl.permute(x, [0, 2, 1]), _OP_A)
+def _v_operand(even, odd):
+    """``_v_split``'s even and odd halves ``[warp, token, 32]`` -> ``V^T [warp, MMA row, token]``, the operand
+    ``_OP_A``: row ``16 M + 8 e + r`` holds index ``2 (8 M + r) + e``, which is where ``_V_FRAGMENT`` already put
+    it (no data moves)."""
+    x = gl.reshape(gl.join(even, odd), [4, 16, 4, 8, 2])  # [warp, token, M, r, e]
+    x = gl.reshape(gl.permute(x, [0, 2, 4, 3, 1]), [4, 64, 16])
+    return gl.convert_layout(x, _OP_A)
 
 
 @gluon.jit
@@ -476,17 +494,19 @@ def _by_group(scales):
 def pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
     """``acc += V^T p^T`` over 16 tokens per warp (``v_tiles``: their codes, the two channel halves;
     ``v_scales``: their scales), the channels in two halves (``acc0``: channels with bit 3 clear, ``acc1``:
-    set), V as ``v_hi + v_lo`` and ``2**14 p`` as ``p_hi + p_mid``: three fp16 MMAs per half."""
-    scales = v_scales.load(_V_SCALES)[:, :, :, None]
-    scales = gl.convert_layout(gl.reshape(scales.broadcast_to(4, 16, 4, 16), [4, 16, 64]), _V_PAIRS)
+    set), V as ``v_hi + v_lo`` and ``2**14 p`` as ``p_hi + p_mid``: three fp16 MMAs per half. The codes are read
+    by ldmatrix's transposed form (``_V_FRAGMENT``), which pairs the tokens."""
+    words = v_scales.reinterpret(gl.int32, [4, 16, 2], ROW_MAJOR).load(_V_WORDS)
+    words = gl.reshape(words[:, :, :, None, None].broadcast_to(4, 16, 2, 2, 8), [4, 16, 32])
+    words = gl.convert_layout(words, _V_FRAGMENT)
     scaled = gl.convert_layout(weights, _OP_B)
     p_hi = scaled.to(gl.float16)
     p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)
     for half in gl.static_range(2):
-        codes = v_tiles[half].load(V_LOAD)
-        v_hi, v_lo = _v_pairs(gl.convert_layout(codes, _V_PAIRS), scales)
-        v_hi = _relabel_v(v_hi)
-        v_lo = _relabel_v(v_lo)
+        pairs = v_tiles[half].reinterpret(gl.int16, [4, 16, 32], V_PAIRS_SHARED).load(_V_FRAGMENT)
+        hi_even, hi_odd, lo_even, lo_odd = _v_split(pairs, words)
+        v_hi = _v_operand(hi_even, hi_odd)
+        v_lo = _v_operand(lo_even, lo_odd)
         if half == 0:
             acc0 = mma_v2(v_hi, p_hi, acc0)
             acc0 = mma_v2(v_lo, p_hi, acc0)
@@ -571,8 +591,10 @@ def _store_out(
     out_l: gl.constexpr = out.type.layout
     mma_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))[None, :]
-    # MMA row m of channel half h holds channel 16 (m % 8) + 8 h + m // 8 (pv_tokens, _relabel_v).
-    channels = 16 * (mma_rows % 8) + 8 * half + mma_rows // 8
+    # MMA row m = 16 M + 8 e + r of channel half h holds index c = 2 (8 M + r) + e (_v_operand), channel
+    # 16 (c // 8) + 8 h + c % 8 (V_LOAD).
+    index = 2 * (8 * (mma_rows // 16) + mma_rows % 8) + (mma_rows // 8) % 2
+    channels = 16 * (index // 8) + 8 * half + index % 8
     total = gl.convert_layout(total, gl.SliceLayout(0, out_l))[None, :]
     out = out * (1.0 / _P_SCALE)
     if V_DITHER:

@@ -8,15 +8,15 @@ language minus the layouts, shared memory is a NumPy array, an asynchronous copy
 (and its waits and the barriers nothing), and ``mma_v2`` is a float32 matrix product (exact products of fp16 or
 tf32 operands, float32 sums, as on the tensor cores up to the order of the sums).
 
-What the layouts do decide is the inline PTX: an ``asm`` block acts on a thread's registers, ``pack`` of them at
-a time, in the order its layout gives. Each block of the kernel is emulated by what it computes on the tensor:
-``ex2.approx.ftz`` is ``exp2`` with results below ``2**-126`` flushed to 0; the output's rescale is ``acc *
-alpha``; ``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_pairs`` is the exact ``hi + lo = s * code`` split
-with its documented exchange of tokens and channels within each pair of tokens and quad of channels (the order
-``_V_PAIRS`` gives its registers), which ``_relabel_v`` undoes. An asm block not listed here raises. So the
-emulation checks the kernel's algorithm (tiling, masks, the copies' addressing, online softmax, the
-certificate's folds and merges, the relabelled operands) against the reference; the PTX itself is checked by
-the SASS tests when compiled and by the GPU tests when run.
+What the layouts do decide is the inline PTX: an ``asm`` block acts on a thread's registers, ``pack`` of them at a
+time, in the order its layout gives. Each block of the kernel is emulated by what it computes on the tensor:
+``ex2.approx.ftz`` is ``exp2`` with results below ``2**-126`` flushed to 0; the output's rescale is ``acc * alpha``;
+``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_split`` is the exact ``hi + lo = s * code`` split of each byte
+of a 16-bit pair of V codes, with the scale from the half of the token's scale word that its group selects
+(``_V_FRAGMENT`` pairs two tokens in a register, and the block's ``f16x2`` outputs keep them so: no element moves).
+An asm block not listed here raises. So the emulation checks the kernel's algorithm (tiling, masks, the copies'
+addressing, online softmax, the certificate's folds and merges, the relabelled operands) against the reference; the
+PTX itself is checked by the SASS tests when compiled and by the GPU tests when run.
 
 A warp-specialised kernel (``kernels/gluon_decode_ws.py``) runs its partitions as threads that take turns, one at
 a time: a partition runs until it waits on an mbarrier whose phase has not completed, then hands over to the
@@ -73,6 +73,10 @@ class _Shared:
     def load(self, layout: object = None) -> tl.tensor:
         return _tensor(self.data.copy(), self.dtype)
 
+    def reinterpret(self, dtype: object, shape: list, layout: object = None) -> _Shared:
+        dtype = _value(dtype)
+        return _Shared(self.data.view(_get_np_dtype(dtype)).reshape([_index(n) for n in shape]), dtype)
+
     def store(self, value: tl.tensor) -> None:
         self.data[...] = value.handle.data
 
@@ -107,19 +111,22 @@ def _neg_codes(codes: np.ndarray) -> np.ndarray:
     return -(codes.astype(np.float32) - 128.0)
 
 
-def _v_pairs(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``[warp, 16 tokens, 64]`` codes and their scales -> ``(hi, lo)``: value at (token 2T + x, index 4C + 2y + z)
-    from token 2T + z, index 4C + 2x + y (``gluon_tiles._v_pairs`` and ``_relabel_v``)."""
-    product = (codes.astype(np.float64) - 128.0) * scales.astype(np.float64)  # exact
-    hi = product.astype(np.float16)
-    lo = (product - hi.astype(np.float64)).astype(np.float16)
-
-    def exchange(x: np.ndarray) -> np.ndarray:
-        warps, tokens, index = x.shape
-        pairs = x.reshape(warps, tokens // 2, 2, index // 4, 2, 2)  # [w, T, z, C, x, y]
-        return pairs.transpose(0, 1, 4, 3, 5, 2).reshape(warps, tokens, index)  # [w, T, x, C, y, z]
-
-    return exchange(hi), exchange(lo)
+def _v_split(pairs: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``[warp, token, 32]`` 16-bit pairs of stored V bytes and the tokens' scale words -> ``(hi_even, hi_odd,
+    lo_even, lo_odd)``: the exact ``hi + lo = s * code`` split of the low byte (even index) and the high byte (odd),
+    element by element, ``s`` the word's low half where pair j's group ``j // 8`` is even, its high half where odd
+    (``gluon_tiles._v_split``)."""
+    stored = pairs.astype(np.int16).view(np.uint16)
+    odd_group = (np.arange(pairs.shape[-1]) // 8) % 2 == 1
+    scale_bits = np.where(odd_group, words.astype(np.int64) >> 16, words.astype(np.int64)) & 0xFFFF
+    scales = scale_bits.astype(np.uint16).view(np.float16).astype(np.float64)
+    out = []
+    for code in ((stored & 0xFF), (stored >> 8)):
+        product = (code.astype(np.float64) - 128.0) * scales  # exact
+        hi = product.astype(np.float16)
+        out.append((hi, (product - hi.astype(np.float64)).astype(np.float16)))
+    (hi_even, lo_even), (hi_odd, lo_odd) = out
+    return hi_even, hi_odd, lo_even, lo_odd
 
 
 def _rescale(acc: np.ndarray, alpha: np.ndarray) -> np.ndarray:
@@ -136,9 +143,8 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
         return _tensor(_rescale(*data), tl.float32)
     if "sub.rn.f16x2 $0, offset, $0" in asm:
         return _tensor(_neg_codes(data[0]), tl.float16)
-    if "prmt.b32 lo, $8, $9, 0x5140" in asm:
-        hi, lo = _v_pairs(*data)
-        return _tensor(hi, tl.float16), _tensor(lo, tl.float16)
+    if "prmt.b32 even, $8, 0x64646464, 0x4240" in asm:
+        return tuple(_tensor(x, tl.float16) for x in _v_split(*data))
     raise NotImplementedError(f"gluon_emulation: no emulation for this asm block:\n{asm}")
 
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import ptx_subset  # noqa: E402
-from gluon_emulation import _neg_codes, _v_pairs, emulated  # noqa: E402
+from gluon_emulation import _neg_codes, _v_split, emulated  # noqa: E402
 from kernel_cases import (  # noqa: E402
     assert_matches_oracle,
     far_token_case,
@@ -162,31 +162,36 @@ def test_neg_codes_ptx_gives_minus_each_stored_code_as_emulated():
         np.testing.assert_array_equal(values, _neg_codes(stored).astype(np.float64))
 
 
-def test_v_pairs_ptx_matches_the_emulation_in_the_layouts_register_order():
-    """The pairing asm on two tokens of four channels: its eight (hi, lo) outputs, placed where ``_V_PAIRS`` puts
-    a thread's eight registers (bits: channel 0, channel 1, token 0), equal ``gluon_emulation._v_pairs``; and
-    ``hi + lo = s * code`` exactly, for scales up to 511.75 (``|s code| <= 65504``) including subnormal ones."""
-    registers = [basis[1:] for basis in gluon_tiles._V_PAIRS.value.reg_bases[:3]]
-    assert registers == [[0, 1], [0, 2], [1, 0]]  # [token, channel] of register bits 0, 1, 2
-    text = next(c for c in gluon_tiles._v_pairs.fn.__code__.co_consts if isinstance(c, str) and "prmt" in c)
+def test_v_split_ptx_matches_the_emulation_in_the_layouts_register_order():
+    """The V operand asm on one pack of ``_V_FRAGMENT`` (register bits: the next token, then the next group): two
+    tokens' index pairs in two groups and the tokens' scale words. Its eight ``f16x2`` outputs equal
+    ``gluon_emulation._v_split``, and ``hi + lo = s * code`` exactly for both bytes of both tokens in both groups,
+    for scales up to 511.75 (``|s code| <= 65504``) including subnormal ones."""
+    assert gluon_tiles._V_FRAGMENT.value.reg_bases[:2] == [[0, 1, 0], [0, 0, 8]]
+    text = next(c for c in gluon_tiles._v_split.fn.__code__.co_consts if isinstance(c, str) and "prmt.b32" in c)
     generator = np.random.default_rng(5)
     for trial in range(2000):
-        codes = generator.integers(0, 256, size=(2, 4), dtype=np.uint8)  # [token, channel], stored bytes
+        stored = generator.integers(0, 256, size=(2, 2, 2), dtype=np.uint8)  # [group, token, index], stored bytes
         # Every fourth trial: the smallest subnormal scale and the largest subnormal one.
-        scale_bits = np.array([1, 0x3FF], dtype=np.uint16)
+        scale_bits = np.array([[1, 0x3FF], [0x3FF, 1]], dtype=np.uint16)
         if trial % 4:
-            scale_bits = generator.integers(1, 0x5FFF, size=2, dtype=np.uint16)
+            scale_bits = generator.integers(1, 0x5FFF, size=(2, 2), dtype=np.uint16)  # [token, group]
         scales = scale_bits.view(np.float16)
-        # Element i of the asm's eight is register i: token i // 4, channel i % 4.
-        inputs = {"$8": int(codes[0].view(np.uint32)[0]), "$9": int(codes[1].view(np.uint32)[0])}
-        for k in range(4):
-            inputs[f"${10 + k}"] = ptx_subset.word(np.full(2, scales[k // 2], dtype=np.float64))
+        words = scale_bits.astype(np.uint32)[:, 0] | (scale_bits.astype(np.uint32)[:, 1] << 16)  # per token
+        # Register i of the codes: group i, token t's two bytes in the low half (little-endian); the words of the
+        # pack's four elements: token t, t + 1, t, t + 1.
+        inputs = {f"${8 + g}": int(stored[g].reshape(-1).view(np.uint32)[0]) for g in range(2)}
+        inputs.update({f"${10 + i}": int(words[i % 2]) for i in range(4)})
         out = ptx_subset.run(text, inputs)
-        hi = np.concatenate([ptx_subset.halves(out[f"${k}"]) for k in range(4)]).reshape(2, 4)
-        lo = np.concatenate([ptx_subset.halves(out[f"${4 + k}"]) for k in range(4)]).reshape(2, 4)
-        expected_hi, expected_lo = _v_pairs(codes[None], np.repeat(scales[:, None], 4, axis=1)[None])
-        np.testing.assert_array_equal(hi, expected_hi[0].astype(np.float64))
-        np.testing.assert_array_equal(lo, expected_lo[0].astype(np.float64))
-        # Output element i is token i % 2, channel i // 2 (its register i is token i // 4, channel i % 4).
-        source = (codes.astype(np.float64) - 128.0) * scales.astype(np.float64)[:, None]
-        np.testing.assert_array_equal((hi + lo).reshape(-1), source.T.reshape(-1))
+        # Output k's registers: group 0, group 1; each (token t, token t + 1).
+        got = [np.stack([ptx_subset.halves(out[f"${2 * k + g}"]) for g in range(2)]) for k in range(4)]
+        # The emulation on [group as the j bit of 8, token, index pair]: j = 0 (group 0) and j = 8 (group 1).
+        pairs = np.zeros((2, 16), dtype=np.int16)
+        pairs[:, [0, 8]] = stored.view(np.int16)[..., 0].T  # [token, j]
+        expected = _v_split(pairs, np.repeat(words.astype(np.int64)[:, None], 16, axis=1))
+        for k in range(4):
+            np.testing.assert_array_equal(got[k], expected[k][:, [0, 8]].T.astype(np.float64))
+        hi_even, hi_odd, lo_even, lo_odd = got
+        source = (stored.astype(np.float64) - 128.0) * scales.astype(np.float64).T[:, :, None]
+        np.testing.assert_array_equal(hi_even + lo_even, source[..., 0])
+        np.testing.assert_array_equal(hi_odd + lo_odd, source[..., 1])

@@ -77,13 +77,11 @@ _BLOCKRADIUS = [
         "    u_arg = u_block_max\n    g_arg = g_block_max\n",
     ),
     (
-        "    tile_b = inf_where_nan(_thread_sum(weights * gl.where(rest, g_of(radius, True), 0.0)))\n"
+        "    tile_b = inf_where_nan(_thread_sum(rest_weights * g_of(radius, True, True)))\n"
         "    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)\n"
-        "    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(gl.where(rest, weights * radius, 0.0)), "
-        "fold_row, fold_u)\n"
-        "    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(gl.where(rest, weights, 0.0)), fold_row, "
-        "fold_w)\n",
-        "    tile_w = _thread_sum(gl.where(rest, weights, 0.0))\n"
+        "    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(rest_weights * radius), fold_row, fold_u)\n"
+        "    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(rest_weights), fold_row, fold_w)\n",
+        "    tile_w = _thread_sum(rest_weights)\n"
         "    rest_block: gl.constexpr = gl.SliceLayout(1, tile_w.type.layout)\n"
         "    g_block = gl.convert_layout(g_arg, rest_block)[:, None, :]\n"
         "    u_block = gl.convert_layout(u_arg, rest_block)[:, None, :]\n"
@@ -94,16 +92,14 @@ _BLOCKRADIUS = [
 ]
 
 
-_HALFPV_ASM = (
-    "        neg.f16x2 neg, $0;\n        fma.rn.f16x2 $4, $4, s, neg;\n"
-    "        neg.f16x2 neg, $1;\n        fma.rn.f16x2 $5, $5, s, neg;\n"
-    "        neg.f16x2 neg, $2;\n        fma.rn.f16x2 $6, $6, s, neg;\n"
-    "        neg.f16x2 neg, $3;\n        fma.rn.f16x2 $7, $7, s, neg;\n"
-)
+# halfpv: _v_split's remainders (the lo halves) go, and with them v_lo, p_mid and two MMAs of three.
 _HALFPV = [
-    (_HALFPV_ASM, ""),
+    *(
+        (f"        neg.f16x2 ${lo}, ${hi};\n        fma.rn.f16x2 ${lo}, {side}, s, ${lo};\n", "")
+        for hi, lo, side in ((0, 4, "even"), (2, 6, "odd"), (1, 5, "even"), (3, 7, "odd"))
+    ),
     ("    p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)\n", ""),
-    ("        v_lo = _relabel_v(v_lo)\n", ""),
+    ("        v_lo = _v_operand(lo_even, lo_odd)\n", ""),
     (
         "            acc0 = mma_v2(v_hi, p_hi, acc0)\n"
         "            acc0 = mma_v2(v_lo, p_hi, acc0)\n"
