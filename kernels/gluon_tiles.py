@@ -348,6 +348,50 @@ def _exp2(x):
     return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
+def _g_asm() -> str:
+    """PTX of ``_g_of_radii`` for four radii ``$4..$7`` into ``$0..$3``: ``triton_kernels.g_of``'s series (Horner,
+    fp32 constants 1/720, 1/120, 1/24, 1/6, 1/2) for all four; past the branch, which a thread takes when all four
+    are below 1/4, ``exp(u) - 1 - u`` (``ex2.approx.ftz`` of ``u log2 e``) replaces it where ``u >= 1/4``."""
+    series = "".join(
+        f"fma.rn.f32 ${i}, ${4 + i}, 0f3AB60B61, 0f3C088889;\n"
+        f"fma.rn.f32 ${i}, ${i}, ${4 + i}, 0f3D2AAAAB;\n"
+        f"fma.rn.f32 ${i}, ${i}, ${4 + i}, 0f3E2AAAAB;\n"
+        f"fma.rn.f32 ${i}, ${i}, ${4 + i}, 0f3F000000;\n"
+        f"mul.rn.f32 t, ${4 + i}, ${4 + i};\n"
+        f"mul.rn.f32 ${i}, ${i}, t;\n"
+        for i in range(4)
+    )
+    exponential = "".join(
+        f"mul.rn.f32 t, ${4 + i}, 0f3FB8AA3B;\n"
+        "ex2.approx.ftz.f32 t, t;\n"
+        "sub.rn.f32 t, t, 0f3F800000;\n"
+        f"sub.rn.f32 t, t, ${4 + i};\n"
+        f"setp.ge.f32 big, ${4 + i}, 0f3E800000;\n"
+        f"@big mov.b32 ${i}, t;\n"
+        for i in range(4)
+    )
+    return (
+        "{\n.reg .pred small, big;\n.reg .b32 t, m;\n"
+        + series
+        + "max.f32 m, $4, $5;\nmax.f32 m, m, $6;\nmax.f32 m, m, $7;\nsetp.lt.f32 small, m, 0f3E800000;\n"
+        + "@small bra SERIES${:uid};\n"
+        + exponential
+        + "SERIES${:uid}:\n}"
+    )
+
+
+_G_ASM = gl.constexpr(_g_asm())
+
+
+@gluon.jit
+def _g_of_radii(u):
+    """``g(u) = expm1(u) - u`` of the tile's radii, as ``g_of(u, FAST_EXP=True, NAN_AT_INF=True)`` computes it, with
+    the exponential behind a branch: a thread whose four radii in a block are all below 1/4, as they are where
+    certificates are small, runs the series alone. A NaN or infinite radius takes the exponential's route (NaN,
+    which ``inf_where_nan`` reads as +inf)."""
+    return gl.inline_asm_elementwise(_G_ASM, "=r,=r,=r,=r,r,r,r,r", [u], dtype=gl.float32, is_pure=True, pack=4)
+
+
 # The accumulator's registers alternate between the thread's two heads (its MMA columns 2 t and 2 t + 1), so
 # inputs $32 and $33 are the alphas of both: the branch skips only where neither head's max moved.
 _RESCALE_ASM = gl.constexpr(
@@ -718,7 +762,7 @@ def certificate_tile(
     fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
     fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
     fold_w = gl.where(moved, alpha, weight_arg)
-    tile_b = inf_where_nan(_thread_sum(rest_weights * g_of(radius, True, True)))
+    tile_b = inf_where_nan(_thread_sum(rest_weights * _g_of_radii(radius)))
     b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
     u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(rest_weights * radius), fold_row, fold_u)
     w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(rest_weights), fold_row, fold_w)

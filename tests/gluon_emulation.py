@@ -10,13 +10,14 @@ tf32 operands, float32 sums, as on the tensor cores up to the order of the sums)
 
 What the layouts do decide is the inline PTX: an ``asm`` block acts on a thread's registers, ``pack`` of them at a
 time, in the order its layout gives. Each block of the kernel is emulated by what it computes on the tensor:
-``ex2.approx.ftz`` is ``exp2`` with results below ``2**-126`` flushed to 0; the output's rescale is ``acc * alpha``;
-``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_split`` is the exact ``hi + lo = s * code`` split of each byte
-of a 16-bit pair of V codes, with the scale from the half of the token's scale word that its group selects
-(``_V_FRAGMENT`` pairs two tokens in a register, and the block's ``f16x2`` outputs keep them so: no element moves).
-An asm block not listed here raises. So the emulation checks the kernel's algorithm (tiling, masks, the copies'
-addressing, online softmax, the certificate's folds and merges, the relabelled operands) against the reference; the
-PTX itself is checked by the SASS tests when compiled and by the GPU tests when run.
+``ex2.approx.ftz`` is ``exp2`` with results below ``2**-126`` flushed to 0; ``_g_of_radii`` is its series below 1/4
+and ``exp(u) - 1 - u`` through that ``exp2`` from 1/4 on, per element (its branch only skips work); the output's
+rescale is ``acc * alpha``; ``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_split`` is the exact ``hi + lo = s
+* code`` split of each byte of a 16-bit pair of V codes, with the scale from the half of the token's scale word that
+its group selects (``_V_FRAGMENT`` pairs two tokens in a register, and the block's ``f16x2`` outputs keep them so:
+no element moves). An asm block not listed here raises. So the emulation checks the kernel's algorithm (tiling,
+masks, the copies' addressing, online softmax, the certificate's folds and merges, the relabelled operands) against
+the reference; the PTX itself is checked by the SASS tests when compiled and by the GPU tests when run.
 
 A warp-specialised kernel (``kernels/gluon_decode_ws.py``) runs its partitions as threads that take turns, one at
 a time: a partition runs until it waits on an mbarrier whose phase has not completed, then hands over to the
@@ -107,6 +108,17 @@ def _exp2_ftz(x: np.ndarray) -> np.ndarray:
     return np.where(np.abs(result) < np.float32(2.0**-126), np.float32(0.0), result)
 
 
+def _g_of_radii(u: np.ndarray) -> np.ndarray:
+    u = u.astype(np.float32)
+    series = u * np.float32(1 / 720) + np.float32(1 / 120)
+    for coefficient in (1 / 24, 1 / 6, 0.5):
+        series = series * u + np.float32(coefficient)
+    with np.errstate(over="ignore", invalid="ignore"):
+        series = series * (u * u)
+        big = (_exp2_ftz(u * np.float32(1.4426950408889634)) - np.float32(1.0)) - u
+    return np.where(u >= np.float32(0.25), big, series)
+
+
 def _neg_codes(codes: np.ndarray) -> np.ndarray:
     return -(codes.astype(np.float32) - 128.0)
 
@@ -137,6 +149,8 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
     """The kernel's asm blocks, each by what it computes on whole tensors (the module docstring)."""
     asm = _value(asm)
     data = [arg.handle.data for arg in args]
+    if "bra SERIES" in asm:
+        return _tensor(_g_of_radii(data[0]), tl.float32)
     if "ex2.approx.ftz.f32" in asm:
         return _tensor(_exp2_ftz(data[0]), tl.float32)
     if "@p bra SKIP" in asm:

@@ -77,7 +77,7 @@ _BLOCKRADIUS = [
         "    u_arg = u_block_max\n    g_arg = g_block_max\n",
     ),
     (
-        "    tile_b = inf_where_nan(_thread_sum(rest_weights * g_of(radius, True, True)))\n"
+        "    tile_b = inf_where_nan(_thread_sum(rest_weights * _g_of_radii(radius)))\n"
         "    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)\n"
         "    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(rest_weights * radius), fold_row, fold_u)\n"
         "    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(rest_weights), fold_row, fold_w)\n",
