@@ -435,6 +435,26 @@ def _neg_codes(codes):
     )
 
 
+def _v_split_asm() -> str:
+    """PTX of ``_v_split``: for the pack's group ``g`` = 0, then 1, the tokens' scales paired from their words ``$10,
+    $11`` (low halves for group 0, high for 1), and the bytes of codes register ``$8 + g`` expanded, scaled and split
+    into ``hi`` (outputs ``$0 + g`` even, ``$2 + g`` odd) and ``lo`` (``$4 + g``, ``$6 + g``)."""
+    groups = "".join(
+        f"prmt.b32 s, $10, $11, {selector};\n"
+        f"prmt.b32 even, ${8 + g}, 0x64646464, 0x4240;\n"
+        f"prmt.b32 odd, ${8 + g}, 0x64646464, 0x4341;\n"
+        "add.rn.f16x2 even, even, offset;\nadd.rn.f16x2 odd, odd, offset;\n"
+        f"mul.rn.f16x2 ${g}, even, s;\nmul.rn.f16x2 ${2 + g}, odd, s;\n"
+        f"neg.f16x2 ${4 + g}, ${g};\nfma.rn.f16x2 ${4 + g}, even, s, ${4 + g};\n"
+        f"neg.f16x2 ${6 + g}, ${2 + g};\nfma.rn.f16x2 ${6 + g}, odd, s, ${6 + g};\n"
+        for g, selector in ((0, "0x5410"), (1, "0x7632"))
+    )
+    return "{\n.reg .b32 even, odd, offset, s;\nmov.b32 offset, 0xE480E480;\n" + groups + "}"
+
+
+_V_SPLIT_ASM = gl.constexpr(_v_split_asm())
+
+
 @gluon.jit
 def _v_split(pairs, words):
     """Two tokens t, t + 1 of two groups' index pairs (``_V_FRAGMENT``'s registers: pair j of both tokens, token
@@ -447,34 +467,7 @@ def _v_split(pairs, words):
     exact: the product has at most 19 significant bits on the 2**-24 grid.
     """
     return gl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 even, odd, offset, s;
-        mov.b32 offset, 0xE480E480;
-        prmt.b32 s, $10, $11, 0x5410;
-        prmt.b32 even, $8, 0x64646464, 0x4240;
-        prmt.b32 odd, $8, 0x64646464, 0x4341;
-        add.rn.f16x2 even, even, offset;
-        add.rn.f16x2 odd, odd, offset;
-        mul.rn.f16x2 $0, even, s;
-        mul.rn.f16x2 $2, odd, s;
-        neg.f16x2 $4, $0;
-        fma.rn.f16x2 $4, even, s, $4;
-        neg.f16x2 $6, $2;
-        fma.rn.f16x2 $6, odd, s, $6;
-        prmt.b32 s, $10, $11, 0x7632;
-        prmt.b32 even, $9, 0x64646464, 0x4240;
-        prmt.b32 odd, $9, 0x64646464, 0x4341;
-        add.rn.f16x2 even, even, offset;
-        add.rn.f16x2 odd, odd, offset;
-        mul.rn.f16x2 $1, even, s;
-        mul.rn.f16x2 $3, odd, s;
-        neg.f16x2 $5, $1;
-        fma.rn.f16x2 $5, even, s, $5;
-        neg.f16x2 $7, $3;
-        fma.rn.f16x2 $7, odd, s, $7;
-        }
-        """,
+        _V_SPLIT_ASM,
         "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
         [pairs, words],
         dtype=(gl.float16, gl.float16, gl.float16, gl.float16),

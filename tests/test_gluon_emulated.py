@@ -168,7 +168,7 @@ def test_v_split_ptx_matches_the_emulation_in_the_layouts_register_order():
     ``gluon_emulation._v_split``, and ``hi + lo = s * code`` exactly for both bytes of both tokens in both groups,
     for scales up to 511.75 (``|s code| <= 65504``) including subnormal ones."""
     assert gluon_tiles._V_FRAGMENT.value.reg_bases[:2] == [[0, 1, 0], [0, 0, 8]]
-    text = next(c for c in gluon_tiles._v_split.fn.__code__.co_consts if isinstance(c, str) and "prmt.b32" in c)
+    text = gluon_tiles._V_SPLIT_ASM.value
     generator = np.random.default_rng(5)
     for trial in range(2000):
         stored = generator.integers(0, 256, size=(2, 2, 2), dtype=np.uint8)  # [group, token, index], stored bytes

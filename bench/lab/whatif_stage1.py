@@ -94,9 +94,10 @@ _BLOCKRADIUS = [
 
 # halfpv: _v_split's remainders (the lo halves) go, and with them v_lo, p_mid and two MMAs of three.
 _HALFPV = [
-    *(
-        (f"        neg.f16x2 ${lo}, ${hi};\n        fma.rn.f16x2 ${lo}, {side}, s, ${lo};\n", "")
-        for hi, lo, side in ((0, 4, "even"), (2, 6, "odd"), (1, 5, "even"), (3, 7, "odd"))
+    (
+        '        f"neg.f16x2 ${4 + g}, ${g};\\nfma.rn.f16x2 ${4 + g}, even, s, ${4 + g};\\n"\n'
+        '        f"neg.f16x2 ${6 + g}, ${2 + g};\\nfma.rn.f16x2 ${6 + g}, odd, s, ${6 + g};\\n"\n',
+        "",
     ),
     ("    p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)\n", ""),
     ("        v_lo = _v_operand(lo_even, lo_odd)\n", ""),
