@@ -14,10 +14,11 @@ replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
   ``ws_nocert`` / ``ws_cert``: with the warp-specialised Gluon stage 1 (``kernels/gluon_decode_ws.py``) at its
   default register cap (three programs per SM), ``ws128_nocert`` / ``ws128_cert`` at a cap of 128 (two per SM, the
   consumers uncapped);
-* with ``--baseline-stage1 FILE``, ``base_nocert`` / ``base_cert``: the int8 kernel with the Gluon stage 1
-  of FILE, another version of ``kernels/gluon_decode.py`` (``git show REV:kernels/gluon_decode.py``), in
-  its place; everything else (stage 2, the shared Triton helpers) is this checkout's. Changes smaller
-  than the few percent two runs differ by are measurable only this way, paired in one run.
+* with ``--baseline-stage1 FILE``, ``base_nocert`` / ``base_cert``: the int8 kernel with the Gluon stage 1 of FILE,
+  another version of ``kernels/gluon_decode.py`` and its ``gluon_tiles.py`` as one module (``python
+  bench/lab/whatif_stage1.py none --rev REV --output FILE``), in its place; everything else (stage 2, the shared
+  Triton helpers) is this checkout's. Changes smaller than the few percent two runs differ by are measurable only
+  this way, paired in one run.
 
 Inputs are rotated among enough copies that each timed call reads at least 512 MB, so the L2 (50 MB on
 the H200) cannot serve them. ``--resident-slots N`` does the opposite, to split a kernel's time into memory

@@ -9,8 +9,8 @@ instructions of the whole kernel and of the token loop alone (one iteration per 
 registers, the local-memory spill stores (all, and those in the loop), the most frequent opcodes and,
 with ``--by-line`` and ``--by-function``, which source lines and functions the loop's instructions come
 from; ``--by-pipe`` counts them per issuing pipe. ``--maxnreg`` compiles the Gluon stage 1 at another register
-cap, ``--stage1 FILE`` another version of it (a ``bench/lab/whatif_stage1.py`` output, or ``git show
-REV:kernels/gluon_decode.py``).
+cap, ``--stage1 FILE`` another version of it (a ``bench/lab/whatif_stage1.py`` output; ``whatif_stage1.py none
+--rev REV`` writes commit REV's).
 
 Use the device's Triton version for figures that match its binaries (3.6 in 2026-12):
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/lab/count_sass.py``.

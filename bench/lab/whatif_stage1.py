@@ -9,6 +9,7 @@ contract tests ask (certificates or outputs that differ from the reference, or n
 ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one compiled
 in the kernel's place. CI does not test them. None runs outside a benchmark:
 
+* ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
@@ -50,19 +51,32 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
 
-def current_source() -> str:
+def current_source(rev: str | None = None) -> str:
     """The Gluon stage 1 as one module: ``gluon_tiles.py``, then ``gluon_decode.py`` less its docstring, its
-    ``from __future__`` line and its import of ``gluon_tiles`` (the names it imports are the module's own)."""
-    kernel = (KERNELS / "gluon_decode.py").read_text()
+    ``from __future__`` line and its import of ``gluon_tiles`` (the names it imports are the module's own); as in
+    the working tree, or at commit ``rev``."""
+
+    def read(name: str) -> str:
+        if rev is None:
+            return (KERNELS / name).read_text()
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:kernels/{name}"], cwd=KERNELS.parent, capture_output=True, text=True
+        )
+        if shown.returncode:
+            raise SystemExit(f"whatif_stage1: git show {rev}:kernels/{name} failed: {shown.stderr.strip()}")
+        return shown.stdout
+
+    kernel = read("gluon_decode.py")
     kernel = re.sub(r'\A""".*?"""\n', "", kernel, flags=re.S).replace("from __future__ import annotations\n", "")
     kernel = re.sub(r"from witcert\.kernels\.gluon_tiles import \(.*?\)\n", "", kernel, flags=re.S)
-    return (KERNELS / "gluon_tiles.py").read_text() + "\n\n" + kernel
+    return read("gluon_tiles.py") + "\n\n" + kernel
 
 
 _BLOCKRADIUS = [
@@ -355,6 +369,7 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 
 # Each what-if's edit of the source; the composite ones apply others in turn.
 _EDITS = {
+    "none": lambda text: text,
     "blockradius": _replacing(_BLOCKRADIUS),
     "qshared": _replacing(_QSHARED),
     "halfpv": _replacing(_HALFPV),
@@ -380,13 +395,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", help=f"one of {', '.join(VARIANTS)}, or several joined by + (qkahead+threadarg)")
     parser.add_argument("--output", type=Path, required=True, help="where to write the edited stage 1")
-    parser.add_argument("--source", type=Path, help="the stage 1 to edit, one module (default: the current one; "
+    origin = parser.add_mutually_exclusive_group()
+    origin.add_argument("--source", type=Path, help="the stage 1 to edit, one module (default: the working tree's; "
                         "threadarg applies to `git show 9e7d36d:kernels/gluon_decode.py`, before the certificate's "
                         "tile and the split's stores became functions)")  # fmt: skip
+    origin.add_argument("--rev", help="edit the stage 1 of this commit (gluon_tiles.py and gluon_decode.py "
+                        "as one module); with the variant none, an A/B baseline (--baseline-stage1)")  # fmt: skip
     args = parser.parse_args()
     if unknown := [part for part in args.variant.split("+") if part not in VARIANTS]:
         parser.error(f"unknown what-if {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    args.output.write_text(variant(args.variant, args.source.read_text() if args.source else current_source()))
+    args.output.write_text(variant(args.variant, args.source.read_text() if args.source else current_source(args.rev)))
     print(f"wrote {args.output} ({args.variant}); time it with bench/bench_kernels.py --baseline-stage1 {args.output}")
 
 
