@@ -385,10 +385,10 @@ _G_ASM = gl.constexpr(_g_asm())
 
 @gluon.jit
 def _g_of_radii(u):
-    """``g(u) = expm1(u) - u`` of the tile's radii, as ``g_of(u, FAST_EXP=True, NAN_AT_INF=True)`` computes it, with
-    the exponential behind a branch: a thread whose four radii in a block are all below 1/4, as they are where
-    certificates are small, runs the series alone. A NaN or infinite radius takes the exponential's route (NaN,
-    which ``inf_where_nan`` reads as +inf)."""
+    """``g(u) = expm1(u) - u`` of the tile's radii, as ``g_of(u, FAST_EXP=True)`` computes it, with the exponential
+    behind a branch: a thread whose four radii in a block are all below 1/4, as they are where certificates are
+    small, runs the series alone. A NaN or infinite radius takes the exponential's route and gives NaN, which the
+    tile's sum reads as +inf (``inf_where_nan``)."""
     return gl.inline_asm_elementwise(_G_ASM, "=r,=r,=r,=r,r,r,r,r", [u], dtype=gl.float32, is_pure=True, pack=4)
 
 

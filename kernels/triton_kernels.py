@@ -138,7 +138,7 @@ def _dither_values_kernel(
 
 
 @triton.jit
-def g_of(u, FAST_EXP: tl.constexpr = False, NAN_AT_INF: tl.constexpr = False):
+def g_of(u, FAST_EXP: tl.constexpr = False):
     """``g(u) = expm1(u) - u`` for ``u >= 0`` without cancellation (both decode kernels and stage 2).
 
     Below 1/4 the series to ``u**6 / 720`` (positive terms, Horner's form, one fused multiply-add a term;
@@ -146,8 +146,7 @@ def g_of(u, FAST_EXP: tl.constexpr = False, NAN_AT_INF: tl.constexpr = False):
     sit far inside the 2**-10 evaluation slack the certificate is multiplied by
     (``reference.CERTIFICATE_EVAL_SLACK``). ``FAST_EXP`` (compiled code only) takes ``ex2.approx.ftz`` as
     is: ``exp(u) >= 1`` here, so flushing subnormal results changes nothing, and the guard ``tl.exp`` adds
-    for them is wasted. ``NAN_AT_INF`` gives NaN instead of +inf at ``u = +inf`` (two instructions less), for
-    terms whose sum ``inf_where_nan`` reads.
+    for them is wasted.
     """
     series = u * (1.0 / 720.0) + 1.0 / 120.0
     series = series * u + 1.0 / 24.0
@@ -164,8 +163,6 @@ def g_of(u, FAST_EXP: tl.constexpr = False, NAN_AT_INF: tl.constexpr = False):
     else:
         exp_u = tl.exp(u)
     big = (exp_u - 1.0) - u
-    if NAN_AT_INF:
-        return tl.where(small, series, big)
     # At u = +inf, big is inf - inf = NaN and the maximum (which ignores a NaN) is u**2 / 2 = +inf; at finite
     # u >= 1/4, g(u) > 1.08 u**2 / 2, far above big's rounding, so the maximum is big.
     return tl.where(small, series, tl.maximum(big, 0.5 * u_sq))

@@ -365,9 +365,7 @@ def emulated(module: types.ModuleType) -> types.SimpleNamespace:
         )  # fmt: skip
         if "g_of" in namespace:
             # g's fast exponential is inline PTX (compiled code only); the interpreter takes its exact route.
-            namespace["g_of"] = functools.partial(
-                lambda g_of, u, FAST_EXP=False, NAN_AT_INF=False: g_of(u, False, NAN_AT_INF), namespace["g_of"]
-            )
+            namespace["g_of"] = functools.partial(lambda g_of, u, FAST_EXP=False: g_of(u, False), namespace["g_of"])
         namespaces[name] = namespace
     interpreted: dict[int, InterpretedFunction] = {}
     for namespace in namespaces.values():
