@@ -42,6 +42,7 @@ from witcert.kernels.gluon_tiles import (
     slot_row,
     softmax_tile,
     store_split,
+    tile_argmax,
     tile_tokens,
     v_dither_tile,
 )
@@ -213,6 +214,8 @@ def decode_stage1_gluon(
         logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
             softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
         )
+        if CERTIFICATE:
+            tile_arg = tile_argmax(logits, tile_max)
         async_copy.wait_group(1)  # this tile's V
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
         acc0, acc1 = pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
@@ -227,7 +230,7 @@ def decode_stage1_gluon(
         # read again, so that nothing of it stays live through QK and PV.
         if CERTIFICATE:
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
+                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
                 tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
             )  # fmt: skip
 

@@ -52,6 +52,7 @@ from witcert.kernels.gluon_tiles import (
     slot_row,
     softmax_tile,
     store_split,
+    tile_argmax,
     tile_tokens,
     v_dither_tile,
 )
@@ -161,6 +162,8 @@ def _consume(
         logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
             softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
         )
+        if CERTIFICATE:
+            tile_arg = tile_argmax(logits, tile_max)
         tile_v_scales = vs_ring.index(stage)
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_ring.index(4 * stage), v_ring.index(4 * stage + 1)),
                                tile_v_scales.slice(0, 4))  # fmt: skip
@@ -172,7 +175,7 @@ def _consume(
 
         if CERTIFICATE:
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
+                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
                 tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
             )  # fmt: skip
         # The stage is free once the four warps have read it (the arrive waits for them).

@@ -17,10 +17,10 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   holds one pair of tokens t and t + 1, the pairing an ``f16x2`` operand needs; one asm block per two tokens of
   two groups expands the bytes by ``prmt`` and scales them into the exact ``v_hi + v_lo``, and the output
   channels are relabelled (undone at the store).
-* **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max,
-  sums and output accumulator; the four are merged once per split, with the same algebra as the
-  split merge of stage 2. q's dither offsets and the radius operands wait in shared memory. The weights'
-  sum stays per thread too; an out-of-range slot poisons the row after the loop (a running maximum).
+* **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max, sums and output
+  accumulator; the four are merged once per split, with the same algebra as the split merge of stage 2. q's
+  operands, its dither offsets and the radius operands wait in shared memory. The weights' sum stays per thread too;
+  an out-of-range slot poisons the row after the loop (a running maximum).
 * **The certificate** (THEORY.md section 3) on the same tile: the radius from two tf32 MMAs of the tile's
   scales with operands built from q's norms (``_radius``), ``A1 = B + U`` (no ``expm1`` per token), and
   the rest sums kept per thread over its own tokens, reduced over the lanes once per split.
@@ -487,6 +487,30 @@ def _v_operand(even, odd):
 
 
 @gluon.jit
+def _transposed_blocks(x):
+    """fp16 ``[warp, 16 tokens, 8 heads]`` in the logits' layout (a thread: token rows ``r`` and ``r + 8``, heads
+    ``2 c`` and ``2 c + 1``) -> each 8x8 block transposed by ``movmatrix``: element ``(8 b + i, j)`` out is ``(8 b + j,
+    i)`` in (``_p_operand`` relabels it back)."""
+    return gl.inline_asm_elementwise(
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $2;\nmovmatrix.sync.aligned.m8n8.trans.b16 $1, $3;",
+        "=r,=r,r,r",
+        [x],
+        dtype=gl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@gluon.jit
+def _p_operand(x):
+    """fp16 weights ``[warp, 16 tokens, 8 heads]`` in the logits' layout -> the PV operand ``p^T`` (``_OP_B``): the
+    tokens go from the rows' lanes to the k slots, the heads from the k slots to the lanes, which is a transpose of
+    each 8x8 block of 16-bit values (``_transposed_blocks``), one ``movmatrix`` a register instead of shuffles."""
+    y = gl.reshape(_transposed_blocks(x), [4, 2, 8, 8])
+    return gl.convert_layout(gl.reshape(gl.permute(y, [0, 1, 3, 2]), [4, 16, 8]), _OP_B)
+
+
+@gluon.jit
 def program_heads(KV_GROUP: gl.constexpr):
     """This program's batch row, split, KV head and first query head within the KV head's group: the grid is
     (rows, blocks of ``HEADS`` query heads, splits), and a KV head's group may take several blocks."""
@@ -536,9 +560,10 @@ def pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
     words = v_scales.reinterpret(gl.int32, [4, 16, 2], ROW_MAJOR).load(_V_WORDS)
     words = gl.reshape(words[:, :, :, None, None].broadcast_to(4, 16, 2, 2, 8), [4, 16, 32])
     words = gl.convert_layout(words, _V_FRAGMENT)
-    scaled = gl.convert_layout(weights, _OP_B)
-    p_hi = scaled.to(gl.float16)
-    p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)
+    p_hi = weights.to(gl.float16)
+    p_mid = (weights - p_hi.to(gl.float32)).to(gl.float16)
+    p_hi = _p_operand(p_hi)
+    p_mid = _p_operand(p_mid)
     for half in gl.static_range(2):
         pairs = v_tiles[half].reinterpret(gl.int16, [4, 16, 32], V_PAIRS_SHARED).load(_V_FRAGMENT)
         hi_even, hi_odd, lo_even, lo_odd = _v_split(pairs, words)
@@ -587,7 +612,7 @@ def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr):
     code_op = gl.convert_layout(_relabel_group(_neg_codes(codes), 2), _OP_A)
     q_alpha = q_alpha_sums.index(g).load(_HEAD_ROW)
     start = q_alpha[:, None, :].broadcast_to(4, 32, 8)
-    part = mma_v2(code_op, q_ops[g], start)
+    part = mma_v2(code_op, q_ops[g].load(_OP_B), start)
     return logits + part * scale[:, :, None]
 
 
@@ -733,17 +758,29 @@ def v_dither_tile(sums, KvIndices, kv_start, start, hi, max_slot, seed, layer, k
 
 
 @gluon.jit
+def tile_argmax(logits, tile_max):
+    """Per ``[warp, head]``, the tile's first token whose logit is the tile's max: the token the certificate holds
+    apart. Found before PV, so that the logits are not live through it."""
+    return gl.min(gl.where(logits == tile_max[:, None, :], _token_index(), TOKENS), axis=1)
+
+
+@gluon.jit
+def _token_index():
+    """Each ``[warp, token, head]`` element's token within its warp's 32, in the logits' layout."""
+    index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
+    return gl.convert_layout(index, _MMA)
+
+
+@gluon.jit
 def certificate_tile(
-    logits, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops, tail,
+    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops, tail,
     fold_row, b_rest, u_rest, w_rest, u_max, g_max,
 ):  # fmt: skip
-    """One tile's certificate terms: the radius from its K scales, its argmax held apart, the rest sums ``B``,
-    ``U``, ``P`` rescaled to the new max with the tile's terms and the token that stops being held apart."""
+    """One tile's certificate terms: the radius from its K scales, its argmax (``tile_argmax``) held apart, the rest
+    sums ``B``, ``U``, ``P`` rescaled to the new max with the tile's terms and the token that stops being held
+    apart."""
     radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
-    index = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, TOKEN_ROW))[None, :, None].broadcast_to(4, 32, 8)
-    index = gl.convert_layout(index, _MMA)
-    tile_arg = gl.min(gl.where(logits == tile_max[:, None, :], index, TOKENS), axis=1)
-    is_arg = index == tile_arg[:, None, :]
+    is_arg = _token_index() == tile_arg[:, None, :]
     u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
     g_arg = g_of(u_arg, True)
     # Masked-off tokens weigh 0 and their radius is 0: the argmax is the only token the rest sums leave out.
@@ -858,10 +895,15 @@ def query_operands(
     g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
     g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
     g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
-    q_ops = (g0[0], g1[0], g2[0], g3[0])
-    # The dither's share of each group, sum(q_g alpha_g) over the MMA operand (_qk_group), and the radius operands
-    # wait in shared memory, read once per tile: kept in registers through the loop they would cost more than
-    # the spills they save.
+    # q^T's operands, the dither's share of each group (sum(q_g alpha_g) over the operand, _qk_group) and the radius
+    # operands wait in shared memory, read once per tile (q's by ldmatrix): kept in registers through the loop they
+    # would make it spill, and a spill costs more than the reads.
+    q_ops = (
+        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g0[0]),
+        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g1[0]),
+        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g2[0]),
+        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g3[0]),
+    )
     q_alpha_sums = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
     alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
     for g in gl.static_range(4):

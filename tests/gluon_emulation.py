@@ -15,9 +15,10 @@ and ``exp(u) - 1 - u`` through that ``exp2`` from 1/4 on, per element (its branc
 rescale is ``acc * alpha``; ``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_split`` is the exact ``hi + lo = s
 * code`` split of each byte of a 16-bit pair of V codes, with the scale from the half of the token's scale word that
 its group selects (``_V_FRAGMENT`` pairs two tokens in a register, and the block's ``f16x2`` outputs keep them so:
-no element moves). An asm block not listed here raises. So the emulation checks the kernel's algorithm (tiling,
-masks, the copies' addressing, online softmax, the certificate's folds and merges, the relabelled operands) against
-the reference; the PTX itself is checked by the SASS tests when compiled and by the GPU tests when run.
+no element moves); ``_transposed_blocks`` (``movmatrix``) transposes each 8x8 block of a warp's ``[16, 8]``, which
+``_p_operand`` relabels back. An asm block not listed here raises. So the emulation checks the kernel's algorithm
+(tiling, masks, the copies' addressing, online softmax, the certificate's folds and merges, the relabelled operands)
+against the reference; the PTX itself is checked by the SASS tests when compiled and by the GPU tests when run.
 
 A warp-specialised kernel (``kernels/gluon_decode_ws.py``) runs its partitions as threads that take turns, one at
 a time: a partition runs until it waits on an mbarrier whose phase has not completed, then hands over to the
@@ -141,6 +142,12 @@ def _v_split(pairs: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, ...]:
     return hi_even, hi_odd, lo_even, lo_odd
 
 
+def _transposed_blocks(x: np.ndarray) -> np.ndarray:
+    """``[warp, 16, 8]`` -> each 8x8 block transposed (``gluon_tiles._transposed_blocks``)."""
+    warps, rows, cols = x.shape
+    return x.reshape(warps, rows // 8, 8, cols).transpose(0, 1, 3, 2).reshape(warps, rows, cols)
+
+
 def _rescale(acc: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     return acc.astype(np.float32) * alpha.astype(np.float32)
 
@@ -151,6 +158,8 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
     data = [arg.handle.data for arg in args]
     if "bra SERIES" in asm:
         return _tensor(_g_of_radii(data[0]), tl.float32)
+    if "movmatrix.sync.aligned.m8n8.trans.b16" in asm:
+        return _tensor(_transposed_blocks(data[0]), tl.float16)
     if "ex2.approx.ftz.f32" in asm:
         return _tensor(_exp2_ftz(data[0]), tl.float32)
     if "@p bra SKIP" in asm:

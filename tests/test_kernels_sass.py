@@ -52,7 +52,7 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
     # codes (V's rows are K's, shuffled within the warp) and once for each side's scale copies.
     assert loop.get("LDG", 0) <= 5, "codes, scales or extra slot indices are read from global memory"
     # The loop's values fit the register cap: without the certificate nothing spills to local memory, and
-    # with it a few values per tile (fp16 / bf16 queries: 0 / 0 with Triton 3.6, the H200's; 2 / 8 with 3.9,
+    # with it a few values per tile (fp16 / bf16 queries: 0 / 0 with Triton 3.6, the H200's; 2 / 5 with 3.9,
     # CI's, whose register allocation moves by several with small changes).
     assert loop.get("STL", 0) <= (10 if certificate else 0), "the token loop spills to local memory"
     # Per warp and 128-token tile: QK 4 groups x 2 row tiles x 2 k steps = 16 (K's dither enters the start

@@ -9,7 +9,7 @@
 #   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel
 #                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)
 #   bash bench/lab/device_session.sh whatif_tests NAME  # the Gluon GPU tests with a what-if in the kernel's place
-#   bash bench/lab/device_session.sh caps            # the Gluon register caps (4 programs per SM at 128), and qshared's
+#   bash bench/lab/device_session.sh caps            # the Gluon register caps (4 programs per SM at 128)
 #   bash bench/lab/device_session.sh profile [NAME]  # ncu's issue, scheduler and stall figures at B = 32, S = 16k,
 #                                                    # for the kernel or a what-if (about 2 minutes)
 #   bash bench/lab/device_session.sh full            # every size of bench_kernels.py, V rounded to nearest
@@ -67,11 +67,8 @@ whatif_tests)
         | tee "$out/gpu_tests_$2.log" | tail -25
     ;;
 caps)
-    # Without the certificate the loop compiles at 128 registers with no spill (Triton 3.6).
-    caps=(--v-dither off --batches 32 --contexts 16384 --sweep gluon --variants sdpa_cudnn int8_nocert int8_cert)
-    python3 bench/bench_kernels.py "${caps[@]}" --output "$out/sweep_caps.json"
-    python3 bench/lab/whatif_stage1.py qshared --output kernels/gluon_decode.py  # this call's copy only
-    python3 bench/bench_kernels.py "${caps[@]}" --output "$out/sweep_caps_qshared.json"
+    python3 bench/bench_kernels.py --v-dither off --batches 32 --contexts 16384 --sweep gluon \
+        --variants sdpa_cudnn int8_nocert int8_cert --output "$out/sweep_caps.json"
     ;;
 profile)
     # What the certificate kernel waits on: issue, scheduler, warp-state and occupancy figures.

@@ -5,7 +5,7 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
-(``qshared``, ``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does, which
+(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does, which
 ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one compiled
 in the kernel's place. CI does not test them. None runs outside a benchmark:
 
@@ -17,10 +17,6 @@ in the kernel's place. CI does not test them. None runs outside a benchmark:
   and ``p_hi + p_mid`` splits (three MMAs). The certificate is unchanged; the output rounds as half-precision
   attention does;
 * ``all``: ``blockradius`` and ``halfpv`` together, the cheapest kernel these contract changes allow;
-* ``qshared`` (a code change, not a contract one; computes what the real kernel does): q's MMA operands
-  read from shared memory once per tile instead of held in 16 registers, which lets the loop without the
-  certificate compile at 128 registers (four programs per SM) with no spill. Copy it over
-  ``kernels/gluon_decode.py`` on the GPU machine and run ``bench_kernels.py --sweep gluon`` for that;
 * ``nobranch`` (a code change; computes what the real kernel does): the output's rescale by ``alpha`` as a
   plain multiply, without the branch that skips it where no max moved. The branch splits the loop into
   blocks that the scheduler cannot interleave; this asks whether it pays;
@@ -128,20 +124,6 @@ _HALFPV = [
         "            acc1 = mma_v2(v_hi, p_hi, acc1)\n",
     ),
 ]
-
-_QSHARED = [
-    (
-        "    part = mma_v2(code_op, q_ops[g], start)\n",
-        "    part = mma_v2(code_op, q_ops[g].load(_OP_B), start)\n",
-    ),
-    (
-        "    q_ops = (g0[0], g1[0], g2[0], g3[0])\n",
-        "    q_ops = (\n"
-        + "".join(f"        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g{g}[0]),\n" for g in range(4))
-        + "    )\n",
-    ),
-]
-
 
 _NOBRANCH = [
     (
@@ -371,7 +353,6 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 _EDITS = {
     "none": lambda text: text,
     "blockradius": _replacing(_BLOCKRADIUS),
-    "qshared": _replacing(_QSHARED),
     "halfpv": _replacing(_HALFPV),
     "nobranch": _replacing(_NOBRANCH),
     "copyonly": _replacing_spans(_COPYONLY_SPANS),
