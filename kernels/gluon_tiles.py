@@ -161,6 +161,18 @@ _SLOT_LANES = gl.constexpr(
         shape=[4, 32],
     )
 )
+# A warp's 16 tokens of weights, [warp, token, head], as the logits hold them (an MMA accumulator: token rows r and
+# r + 8, heads 2 c and 2 c + 1), named so that _transposed_blocks' registers are in this order whatever the
+# softmax's reshapes leave.
+_P_ROWS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 8, 0]],
+        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]],
+        block_bases=[],
+        shape=[4, 16, 8],
+    )
+)
 # The radius as tf32 MMAs (_radius): operands [warp, token, k] x [warp, k, head], and the K scales read with
 # the tokens and groups of the A operand (token rows 8 apart in registers, the group on the lane's low bits).
 _RADIUS_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 1))
@@ -488,8 +500,8 @@ def _v_operand(even, odd):
 
 @gluon.jit
 def _transposed_blocks(x):
-    """fp16 ``[warp, 16 tokens, 8 heads]`` in the logits' layout (a thread: token rows ``r`` and ``r + 8``, heads
-    ``2 c`` and ``2 c + 1``) -> each 8x8 block transposed by ``movmatrix``: element ``(8 b + i, j)`` out is ``(8 b + j,
+    """fp16 ``[warp, 16 tokens, 8 heads]`` in ``_P_ROWS`` (a thread: token rows ``r`` and ``r + 8``, heads ``2 c`` and
+    ``2 c + 1``) -> each 8x8 block transposed by ``movmatrix``: element ``(8 b + i, j)`` out is ``(8 b + j,
     i)`` in (``_p_operand`` relabels it back)."""
     return gl.inline_asm_elementwise(
         "movmatrix.sync.aligned.m8n8.trans.b16 $0, $2;\nmovmatrix.sync.aligned.m8n8.trans.b16 $1, $3;",
@@ -560,6 +572,7 @@ def pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
     words = v_scales.reinterpret(gl.int32, [4, 16, 2], ROW_MAJOR).load(_V_WORDS)
     words = gl.reshape(words[:, :, :, None, None].broadcast_to(4, 16, 2, 2, 8), [4, 16, 32])
     words = gl.convert_layout(words, _V_FRAGMENT)
+    weights = gl.convert_layout(weights, _P_ROWS)
     p_hi = weights.to(gl.float16)
     p_mid = (weights - p_hi.to(gl.float32)).to(gl.float16)
     p_hi = _p_operand(p_hi)

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import ptx_subset  # noqa: E402
-from gluon_emulation import _neg_codes, _v_split, emulated  # noqa: E402
+from gluon_emulation import _neg_codes, _transposed_blocks, _v_split, emulated  # noqa: E402
 from kernel_cases import (  # noqa: E402
     assert_matches_oracle,
     far_token_case,
@@ -195,3 +195,36 @@ def test_v_split_ptx_matches_the_emulation_in_the_layouts_register_order():
         source = (stored.astype(np.float64) - 128.0) * scales.astype(np.float64).T[:, :, None]
         np.testing.assert_array_equal(hi_even + lo_even, source[..., 0])
         np.testing.assert_array_equal(hi_odd + lo_odd, source[..., 1])
+
+
+def _element(layout: object, lane: int, register: int) -> tuple[int, ...]:
+    """The ``[token, head]`` a lane's register holds in a warp's part of a ``[warp, token, head]`` linear layout."""
+    coordinate = [0, 0, 0]
+    for bits, bases in ((lane, layout.lane_bases), (register, layout.reg_bases)):
+        for i, basis in enumerate(bases):
+            if bits >> i & 1:
+                coordinate = [c ^ b for c, b in zip(coordinate, basis, strict=True)]
+    return tuple(coordinate[1:])
+
+
+def test_transposed_blocks_movmatrix_matches_the_emulation_in_the_layouts_register_order():
+    """``movmatrix.m8n8.trans.b16`` on the registers ``_P_ROWS`` gives a lane (PTX: lane i holds row i / 4, columns
+    2 (i % 4) and 2 (i % 4) + 1 of an 8x8 matrix, the pack's two registers the blocks of rows 0-7 and 8-15), as
+    the PTX ISA defines it, puts in each register what ``gluon_emulation._transposed_blocks`` says the element there
+    holds."""
+    layout = gluon_tiles._P_ROWS.value
+    x = np.random.default_rng(3).standard_normal((1, 16, 8)).astype(np.float16)
+    expected = _transposed_blocks(x)[0]
+    for block in range(2):
+        # The source matrix as the lanes hold it: register 2 block + e of lane i is row i // 4, column 2 (i % 4) + e.
+        matrix = np.zeros((8, 8), dtype=np.float16)
+        for lane in range(32):
+            for e in range(2):
+                token, head = _element(layout, lane, 2 * block + e)
+                assert (token % 8, head, token // 8) == (lane // 4, 2 * (lane % 4) + e, block)
+                matrix[lane // 4, 2 * (lane % 4) + e] = x[0, token, head]
+        # After movmatrix.trans the same register of lane i holds the transposed matrix's element there.
+        for lane in range(32):
+            for e in range(2):
+                token, head = _element(layout, lane, 2 * block + e)
+                assert matrix.T[lane // 4, 2 * (lane % 4) + e] == expected[token, head]
