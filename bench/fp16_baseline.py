@@ -30,7 +30,7 @@ def decode_stage1_fp16(
     KCache,
     VCache,
     KvStart,
-    KvLen,
+    KvEnd,
     KvIndices,
     PartOut,
     PartLse,
@@ -54,7 +54,7 @@ def decode_stage1_fp16(
     head_ok = local_heads < KV_GROUP
     heads = kv_head * KV_GROUP + local_heads
     num_q_heads = NUM_KV_HEADS * KV_GROUP
-    kv_start, _, lo, hi, _ = split_range(KvStart, KvLen, row, split, 2**31 - 1, NUM_SPLITS, BLOCK_N)
+    kv_start, _, lo, hi, _ = split_range(KvStart, KvEnd, row, split, 2**31 - 1, NUM_SPLITS, BLOCK_N)
     channels = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + channels[None, :], mask=head_ok[:, None], other=0.0)
     running_max = tl.full((BLOCK_H,), -FP32_INF, tl.float32)
@@ -119,7 +119,7 @@ def decode_attention_fp16(
         k_cache,
         v_cache,
         kv_indptr[:-1],
-        kv_indptr[1:] - kv_indptr[:-1],
+        kv_indptr[1:],
         kv_indices,
         part_out,
         part_lse,

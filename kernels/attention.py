@@ -298,7 +298,7 @@ def _run_triton(
     pool: KVPool,
     layer: int,
     kv_start: torch.Tensor,
-    kv_len: torch.Tensor,
+    kv_end: torch.Tensor,
     kv_indices: torch.Tensor,
     *,
     sm_scale: float,
@@ -326,7 +326,7 @@ def _run_triton(
     offsets_64 = pool.codes[layer, 0].numel() >= 2**31
     stage1_args = (
         kv_start,
-        kv_len,
+        kv_end,
         kv_indices,
         kv_indices if skip is None else skip.view(torch.uint8),
         part_out,
@@ -459,7 +459,7 @@ def _run_reference(
     pool: KVPool,
     layer: int,
     kv_start: torch.Tensor,
-    kv_len: torch.Tensor,
+    kv_end: torch.Tensor,
     kv_indices: torch.Tensor,
     *,
     sm_scale: float,
@@ -478,7 +478,8 @@ def _run_reference(
     k_all = pool.dequantize(layer, kv_indices, "k")
     v_all = pool.dequantize(layer, kv_indices, "v")
     for row in range(rows):
-        start, length = int(kv_start[row]), int(kv_len[row])
+        start = int(kv_start[row])
+        length = int(kv_end[row]) - start
         if length == 0:
             continue
         slots = kv_indices[start : start + length]
@@ -506,7 +507,7 @@ def _dispatch(
     pool: KVPool,
     layer: int,
     kv_start: torch.Tensor,
-    kv_len: torch.Tensor,
+    kv_end: torch.Tensor,
     kv_indices: torch.Tensor,
     *,
     sm_scale: float | None,
@@ -527,7 +528,7 @@ def _dispatch(
             pool,
             layer,
             kv_start,
-            kv_len,
+            kv_end,
             kv_indices,
             sm_scale=sm_scale,
             delta_step=delta_step,
@@ -543,7 +544,7 @@ def _dispatch(
         pool,
         layer,
         kv_start,
-        kv_len,
+        kv_end,
         kv_indices,
         sm_scale=sm_scale,
         delta_step=delta_step,
@@ -611,14 +612,14 @@ def decode_attention(
                          "with certificate=True")  # fmt: skip
     if validate if validate is not None else q.device.type != "cuda":
         _check_values(kv_indptr, kv_indices, pool)
-    kv_start = kv_indptr[:-1]
-    kv_len = kv_indptr[1:] - kv_start
+    # Row b's indices are [kv_indptr[b], kv_indptr[b + 1]): two views, no kernel before stage 1.
+    kv_start, kv_end = kv_indptr[:-1], kv_indptr[1:]
     return _dispatch(
         q,
         pool,
         layer,
         kv_start,
-        kv_len,
+        kv_end,
         kv_indices,
         sm_scale=sm_scale,
         delta_step=delta_step,
@@ -719,14 +720,14 @@ def extend_attention(
     new_tokens = qo[sequence + 1] - qo[sequence]
     position = token - qo[sequence]
     kv_start = kv[sequence]
-    # A malformed row gets a negative length, which the kernel refuses (NaN) rather than reads.
-    kv_len = (kv[sequence + 1] - kv_start) - new_tokens + position + 1
+    # A malformed row gets an end before its start, which the kernel refuses (NaN) rather than reads.
+    kv_end = kv[sequence + 1] - new_tokens + position + 1
     return _dispatch(
         q,
         pool,
         layer,
         kv_start,
-        kv_len,
+        kv_end,
         kv_indices,
         sm_scale=sm_scale,
         delta_step=delta_step,

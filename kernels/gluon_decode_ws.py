@@ -192,7 +192,7 @@ def _consume(
 
 @gluon.jit
 def decode_stage1_ws(
-    Q, KCodes, KScales, VCodes, VScales, KAlpha, VAlpha, KvStart, KvLen, KvIndices, Skip,
+    Q, KCodes, KScales, VCodes, VScales, KAlpha, VAlpha, KvStart, KvEnd, KvIndices, Skip,
     PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU,
     num_slots, num_kv_indices, stride_qb, stride_qh, sm_scale, log_two_over_delta, beta, seed, layer,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
@@ -201,7 +201,7 @@ def decode_stage1_ws(
     """One (row, block of 8 query heads, split): the outputs of ``gluon_decode.decode_stage1_gluon``."""
     row, split, kv_head, first_local = program_heads(KV_GROUP)
 
-    kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
+    kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
     q_ops, q_alpha_sums, radius_ops, logit_scale, tail = query_operands(
         Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,

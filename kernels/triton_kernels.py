@@ -198,17 +198,18 @@ def inf_where_nan(total):
 
 
 @triton.jit
-def split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """``(kv_start, row_ok, lo, hi, seq_len)``: the row's first index, split ``split``'s token range
-    ``[lo, hi)`` and the row's length.
+    ``[lo, hi)`` and the row's length. The row's indices are ``[KvStart[row], KvEnd[row])``: for decode,
+    ``kv_indptr[:-1]`` and ``kv_indptr[1:]``, two views, so that no kernel runs before this one to take lengths.
 
-    A malformed row (negative length, or indices past the end) gets ``row_ok`` false and length 0: it is
-    poisoned with NaN, never read. Splits are whole tiles of ``BLOCK_N`` tokens.
+    A malformed row (an end before its start, or indices past the end) gets ``row_ok`` false and length 0: it
+    is poisoned with NaN, never read. Splits are whole tiles of ``BLOCK_N`` tokens.
     """
     kv_start = tl.load(KvStart + row)
-    seq_len = tl.load(KvLen + row)
-    row_ok = (seq_len >= 0) & (kv_start >= 0) & (kv_start + seq_len <= num_kv_indices)
-    seq_len = tl.where(row_ok, seq_len, 0)
+    kv_end = tl.load(KvEnd + row)
+    row_ok = (kv_end >= kv_start) & (kv_start >= 0) & (kv_end <= num_kv_indices)
+    seq_len = tl.where(row_ok, kv_end - kv_start, 0)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     return kv_start, row_ok, lo, tl.minimum(lo + split_len, seq_len), seq_len
@@ -647,7 +648,7 @@ def decode_stage1(
     OutlierIndex,
     OutlierChannels,
     KvStart,
-    KvLen,
+    KvEnd,
     KvIndices,
     Skip,
     PartOut,
@@ -696,7 +697,7 @@ def decode_stage1(
     heads = kv_head * KV_GROUP + local_heads
     num_q_heads = NUM_KV_HEADS * KV_GROUP
 
-    kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvLen, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
+    kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
     channels = tl.arange(0, HEAD_DIM)
     groups = tl.arange(0, num_groups)

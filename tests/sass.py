@@ -26,7 +26,7 @@ from witcert.kernels.launch import LAUNCH
 
 _POINTERS = dict(
     Q="fp16", KCodes="u8", KScales="fp16", KOutliers="fp16", VCodes="u8", VScales="fp16", VOutliers="fp16",
-    KAlpha="fp32", VAlpha="fp32", OutlierIndex="i32", OutlierChannels="i32", KvStart="i32", KvLen="i32",
+    KAlpha="fp32", VAlpha="fp32", OutlierIndex="i32", OutlierChannels="i32", KvStart="i32", KvEnd="i32",
     KvIndices="i32", Skip="i8",
     PartOut="fp32", PartLse="fp32", PartMax="fp32", PartA1="fp32", PartB="fp32", PartURest="fp32",
     PartPRest="fp32", PartU="fp32",

@@ -7,6 +7,10 @@ Nsight Compute's warp-state sampling says where a kernel's warps wait, per SASS 
         python bench/lab/profile_decode.py --batch 32 --context 16384 --certificate on
     ncu -i stage1.ncu-rep --page source --csv --print-source sass > stage1_sass.csv
 
+``--kernel-times`` instead times each kernel of a call on the device (PyTorch's profiler, CUPTI), with and
+without the certificate, and prints one line per kernel: where the certificate's cost lies between stage 1
+and stage 2 (their sum is a little below ``bench_kernels.py``'s graph replays, which include the gaps).
+
 The shape is Qwen2.5-7B's (28 query heads, 4 KV heads, head_dim 128), one layer, K dithered and V
 rounded to nearest, as in the benchmark. ``--stage1-file FILE`` profiles another version of
 ``kernels/gluon_decode.py`` (a ``bench/lab/whatif_stage1.py`` output) in its place.
@@ -15,7 +19,10 @@ rounded to nearest, as in the benchmark. ``--stage1-file FILE`` profiles another
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +46,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=8, help="decode calls to make (profile one past warm-up)")
     parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (0: none; default: LAUNCH's)")
     parser.add_argument("--stage1-file", type=Path, metavar="FILE", help="another version of kernels/gluon_decode.py")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="print each kernel's median device time, with and without the certificate")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -59,11 +68,38 @@ def main() -> None:
     LAUNCH.gluon, LAUNCH.gluon_min_tokens = args.stage1 == "gluon", 0
     if args.maxnreg is not None:
         LAUNCH.gluon_maxnreg = LAUNCH.gluon_maxnreg_nocert = args.maxnreg or None
+    if args.kernel_times:
+        for certificate in (False, True):
+            call = functools.partial(decode_attention, q, pool, 0, indptr, indices, delta_step=0.05,
+                                     certificate=certificate)  # fmt: skip
+            _print_kernel_times(call, args.calls, certificate)
+        return
     for _ in range(args.calls):
         result = decode_attention(q, pool, 0, indptr, indices, delta_step=0.05, certificate=args.certificate == "on")
     torch.cuda.synchronize()
     finite = "n/a" if result.certificate is None else bool(torch.isfinite(result.certificate).all())
     print(f"stage 1: {result.path}; certificate finite: {finite}")
+
+
+def _print_kernel_times(call: Callable[[], object], calls: int, certificate: bool) -> None:
+    """Each kernel's median device time over ``calls`` calls (after two that compile and warm up)."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    total = 0.0
+    for name, us in sorted(times.items(), key=lambda item: -statistics.median(item[1])):
+        total += statistics.median(us) * len(us) / calls
+        print(f"certificate {'on ' if certificate else 'off'} {statistics.median(us):9.2f} us  x{len(us) // calls}  "
+              f"{name[:90]}")  # fmt: skip
+    print(f"certificate {'on ' if certificate else 'off'} {total:9.2f} us  per call")
 
 
 if __name__ == "__main__":
