@@ -343,6 +343,7 @@ _QREGISTERS = [
     ("    part = mma_v2(code_op, q_ops[g].load(_OP_B), start)\n", "    part = mma_v2(code_op, q_ops[g], start)\n"),
 ]
 
+
 def _replace(text: str, old: str, new: str) -> str:
     if text.count(old) != 1:
         raise SystemExit(f"whatif_stage1: the Gluon stage 1 changed; this anchor is not there once:\n{old}")
