@@ -122,13 +122,17 @@ def decode_stage1_gluon(
     HAS_SKIP: gl.constexpr, OFFSETS_64: gl.constexpr, NUM_SPLITS: gl.constexpr,
 ):  # fmt: skip
     """One (row, block of 8 query heads, split): the outputs of ``triton_kernels.decode_stage1``."""
+    # q's MMA operands stay in registers (16 a thread) where the loop fits them without a spill: reading them from
+    # shared memory every tile made the kernel 4% slower with its reads in the L2. The certified loop with bf16
+    # queries or a dithered V has no room for them (11 and 6 spill stores a tile, Triton 3.6).
+    Q_IN_REGISTERS: gl.constexpr = not (CERTIFICATE and (V_DITHER or Q.dtype.element_ty == gl.bfloat16))
     row, split, kv_head, first_local = program_heads(KV_GROUP)
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
     q_ops, q_alpha_sums, radius_ops, logit_scale, tail = query_operands(
         Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,
-        log_two_over_delta, CERTIFICATE,
+        log_two_over_delta, CERTIFICATE, Q_IN_REGISTERS,
     )  # fmt: skip
 
     # Index tensors of each layout the loop loads through.
@@ -207,7 +211,7 @@ def decode_stage1_gluon(
 
         async_copy.wait_group(1)  # this tile's K
         tile_scales = k_scales.index(stage)
-        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)
+        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS)
         _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()

@@ -158,7 +158,7 @@ def _consume(
         k_tiles = (k_ring.index(4 * stage), k_ring.index(4 * stage + 1), k_ring.index(4 * stage + 2),
                    k_ring.index(4 * stage + 3))  # fmt: skip
         tile_scales = ks_ring.index(stage)
-        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)
+        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, False)
         logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
             softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
         )
@@ -203,9 +203,10 @@ def decode_stage1_ws(
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
+    # q's MMA operands in shared memory (Q_IN_REGISTERS false): the consumers' registers have no room for them.
     q_ops, q_alpha_sums, radius_ops, logit_scale, tail = query_operands(
         Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,
-        log_two_over_delta, CERTIFICATE,
+        log_two_over_delta, CERTIFICATE, False,
     )  # fmt: skip
 
     # The ring: per stage the four K group buffers, the four V buffers (gluon_decode's layouts) and the scales.

@@ -19,8 +19,9 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max, sums and output
   accumulator; the four are merged once per split, with the same algebra as the split merge of stage 2. q's
-  operands, its dither offsets and the radius operands wait in shared memory. The weights' sum stays per thread too;
-  an out-of-range slot poisons the row after the loop (a running maximum).
+  operands stay in registers where the loop has room for them; its dither offsets and the radius operands wait in
+  shared memory. The weights' sum stays per thread too; an out-of-range slot poisons the row after the loop (a
+  running maximum).
 * **The certificate** (THEORY.md section 3) on the same tile: the radius from two tf32 MMAs of the tile's
   scales with operands built from q's norms (``_radius``), ``A1 = B + U`` (no ``expm1`` per token), and
   the rest sums kept per thread over its own tokens, reduced over the lanes once per split.
@@ -617,7 +618,7 @@ def _dither_sums(sums, weights, v_scales, beta, rest_alpha):
 
 
 @gluon.jit
-def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr):
+def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr, Q_IN_REGISTERS: gl.constexpr):
     """Channel group ``g`` of the tile: one MMA of ``-code`` with q, started from the dither's share
     ``sum(q_g alpha_g)`` (``q_alpha_sums``, per head), so that it computes ``-q_g . (code_g - alpha_g)``; scaled
     by ``scale`` into the negated logits (the softmax scale undoes the sign)."""
@@ -625,7 +626,11 @@ def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr):
     code_op = gl.convert_layout(_relabel_group(_neg_codes(codes), 2), _OP_A)
     q_alpha = q_alpha_sums.index(g).load(_HEAD_ROW)
     start = q_alpha[:, None, :].broadcast_to(4, 32, 8)
-    part = mma_v2(code_op, q_ops[g].load(_OP_B), start)
+    if Q_IN_REGISTERS:
+        q_op = q_ops[g]
+    else:
+        q_op = q_ops[g].load(_OP_B)
+    part = mma_v2(code_op, q_op, start)
     return logits + part * scale[:, :, None]
 
 
@@ -723,13 +728,14 @@ def tile_tokens(slots, in_split, slot_max, max_slot, Skip, kv_head, NUM_KV_HEADS
 
 
 @gluon.jit
-def qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums):
+def qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS: gl.constexpr):
     """A tile's negated logits before the softmax scale, ``[warp, token, head]``, from its codes (the four group
-    buffers ``k_tiles``) and scales in shared memory."""
+    buffers ``k_tiles``) and scales in shared memory; q's operands ``q_ops`` in registers or in shared memory
+    (``Q_IN_REGISTERS``, as ``query_operands`` made them)."""
     group_scales = _k_group_scales(tile_scales)
     logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
     for g in gl.static_range(4):
-        logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g)
+        logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g, Q_IN_REGISTERS)
     return logits
 
 
@@ -884,11 +890,11 @@ def store_split(
 @gluon.jit
 def query_operands(
     Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP: gl.constexpr, sm_scale, beta, seq_len,
-    log_two_over_delta, CERTIFICATE: gl.constexpr,
+    log_two_over_delta, CERTIFICATE: gl.constexpr, Q_IN_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """What the token loop needs of the query: q^T per channel group relabelled like K (``q_ops``), the dither's
-    share per (head, group) and the radius operands in shared memory, the logits' scale and the radius' tail
-    multiplier ``c``."""
+    """What the token loop needs of the query: q^T per channel group relabelled like K (``q_ops``, MMA operands in
+    registers, or in shared memory where ``Q_IN_REGISTERS`` is false), the dither's share per (head, group) and the
+    radius operands in shared memory, the logits' scale and the radius' tail multiplier ``c``."""
     # q^T per channel group, relabelled like K, and its sums (the dither's offset, the radius operands).
     q_chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_LOAD)))
     q_head = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_LOAD)))
@@ -908,15 +914,19 @@ def query_operands(
     g1 = _q_group(q_ptrs, q_mask, 1, q_scale)
     g2 = _q_group(q_ptrs, q_mask, 2, q_scale)
     g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
-    # q^T's operands, the dither's share of each group (sum(q_g alpha_g) over the operand, _qk_group) and the radius
-    # operands wait in shared memory, read once per tile (q's by ldmatrix): kept in registers through the loop they
-    # would make it spill, and a spill costs more than the reads.
-    q_ops = (
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g0[0]),
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g1[0]),
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g2[0]),
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g3[0]),
-    )
+    # q^T's operands (16 registers a thread) stay in registers through the loop where it has room for them (see
+    # Q_IN_REGISTERS in gluon_decode), else wait in shared memory and are read by ldmatrix each tile. The dither's
+    # share of each group (sum(q_g alpha_g) over the operand, _qk_group) and the radius operands wait in shared
+    # memory, read once per tile.
+    if Q_IN_REGISTERS:
+        q_ops = (g0[0], g1[0], g2[0], g3[0])
+    else:
+        q_ops = (
+            gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g0[0]),
+            gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g1[0]),
+            gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g2[0]),
+            gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g3[0]),
+        )
     q_alpha_sums = gl.allocate_shared_memory(gl.float32, [4, 4, 8], _NORMS_SHARED)
     alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
     for g in gl.static_range(4):

@@ -33,9 +33,6 @@ in the kernel's place. CI does not test them. None runs outside a benchmark:
   tokens meet once, after the loop. It edits the loop and the split's stores together, which the current kernel
   keeps in separate functions (``certificate_tile``, ``store_split``): it applies to ``--source`` a copy of
   ``git show 9e7d36d:kernels/gluon_decode.py``;
-* ``qregisters`` (a code change; computes what the real kernel does): q's four MMA operands kept in registers
-  through the loop, as before they moved to shared memory to make room for the certificate's registers; asks
-  what the reads cost each variant (the kernel without the certificate has registers to spare);
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
   and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
@@ -329,21 +326,6 @@ _THREADARG_SPANS = [
 ]
 
 
-_QREGISTERS = [
-    (
-        """    q_ops = (
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g0[0]),
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g1[0]),
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g2[0]),
-        gl.allocate_shared_memory(gl.float16, [4, 32, 8], ROW_MAJOR, g3[0]),
-    )
-""",
-        "    q_ops = (g0[0], g1[0], g2[0], g3[0])\n",
-    ),
-    ("    part = mma_v2(code_op, q_ops[g].load(_OP_B), start)\n", "    part = mma_v2(code_op, q_ops[g], start)\n"),
-]
-
-
 def _replace(text: str, old: str, new: str) -> str:
     if text.count(old) != 1:
         raise SystemExit(f"whatif_stage1: the Gluon stage 1 changed; this anchor is not there once:\n{old}")
@@ -376,7 +358,6 @@ _EDITS = {
     "copyonly": _replacing_spans(_COPYONLY_SPANS),
     "qkahead": _replacing(_QKAHEAD),
     "threadarg": _replacing_spans(_THREADARG_SPANS),
-    "qregisters": _replacing(_QREGISTERS),
 }
 _COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
 VARIANTS = (*_EDITS, *_COMPOSITES)
