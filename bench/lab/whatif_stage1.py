@@ -109,7 +109,8 @@ _HALFPV = [
         '        f"neg.f16x2 ${6 + g}, ${2 + g};\\nfma.rn.f16x2 ${6 + g}, odd, s, ${6 + g};\\n"\n',
         "",
     ),
-    ("    p_mid = (scaled - p_hi.to(gl.float32)).to(gl.float16)\n", ""),
+    ("    p_mid = (weights - p_hi.to(gl.float32)).to(gl.float16)\n", ""),
+    ("    p_mid = _p_operand(p_mid)\n", ""),
     ("        v_lo = _v_operand(lo_even, lo_odd)\n", ""),
     (
         "            acc0 = mma_v2(v_hi, p_hi, acc0)\n"
@@ -137,7 +138,7 @@ _NOBRANCH = [
 # Spans of the token loop that copyonly drops: (first line dropped, first line kept after, replacement).
 _COPYONLY_SPANS = [
     (
-        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)\n",
+        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS)\n",
         "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n",
         "",
     ),
@@ -203,7 +204,7 @@ _QKAHEAD = [
         "    # what-if qkahead: iteration i computes tile i + 1's logits first, then tile i's softmax, PV and\n"
         "    # certificate. Commits: K(0), K(1), V(0), then per iteration K(i + 2), V(i + 1).\n"
         "    async_copy.wait_group(2)  # K(0)\n"
-        "    next_logits = qk_tile(_k_set(k_tiles, 0), k_scales.index(0), q_ops, q_alpha_sums)\n"
+        "    next_logits = qk_tile(_k_set(k_tiles, 0), k_scales.index(0), q_ops, q_alpha_sums, Q_IN_REGISTERS)\n"
         "    k_stage = 0\n"
         "    s_stage = 0\n"
         "    for start in range(lo, hi, BLOCK_N):\n",
@@ -227,7 +228,7 @@ _QKAHEAD = [
     (
         "        async_copy.wait_group(1)  # this tile's K\n"
         "        tile_scales = k_scales.index(stage)\n"
-        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums)\n"
+        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS)\n"
         "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n"
         "        _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, "
         "groups_ks)\n"
@@ -236,7 +237,9 @@ _QKAHEAD = [
         "        next_s = (s_stage + 1) % 3\n"
         "        ahead_s = (s_stage + 2) % 3\n"
         "        async_copy.wait_group(1)  # K(i + 1)\n"
-        "        next_logits = qk_tile(_k_set(k_tiles, next_k), k_scales.index(next_s), q_ops, q_alpha_sums)\n"
+        "        next_logits = qk_tile(\n"
+        "            _k_set(k_tiles, next_k), k_scales.index(next_s), q_ops, q_alpha_sums, Q_IN_REGISTERS\n"
+        "        )\n"
         "        _copy_k(_k_set(k_tiles, k_stage), KCodes, ahead_base, offs + 2 * BLOCK_N, hi, OFFSETS_64)\n"
         "        ahead_tokens = start + 2 * BLOCK_N + tok_ks\n"
         "        _copy_scales(k_scales.index(ahead_s), KScales, ahead_k_scale_rows, ahead_tokens, hi, groups_ks)\n"
