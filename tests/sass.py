@@ -130,13 +130,16 @@ def _tool(name: str, *args: str, cubin: bytes) -> str:
 @dataclass
 class SassProfile:
     """One cubin's static SASS: opcode counts of the whole kernel and of its token loop (the longest
-    backward branch's span, one iteration per tile), the loop's instructions per source line, registers."""
+    backward branch's span, one iteration per tile), the loop's instructions per source line, registers, and the
+    loop's tail: its instructions after the last fp16 MMA (``HMMA.16816``, PV's last), by opcode and source line."""
 
     opcodes: collections.Counter[str]
     loop_opcodes: collections.Counter[str]
     loop_lines: collections.Counter[tuple[str, int]]
     loop_length: int
     registers: int
+    tail_opcodes: collections.Counter[str]
+    tail_lines: collections.Counter[tuple[str, int]]
 
 
 def profile(cubin: bytes) -> SassProfile:
@@ -150,22 +153,31 @@ def profile(cubin: bytes) -> SassProfile:
         elif source := _SOURCE.search(text):
             where = (source.group(1), int(source.group(2)))
         elif instruction := _INSTRUCTION.match(text):
-            instructions.append((instruction.group(1).split(".")[0], instruction.group(2), where))
+            instructions.append((instruction.group(1), instruction.group(2), where))
     loop = (0, len(instructions))
-    for position, (opcode, operands, _) in enumerate(instructions):
-        target = re.search(r"\.(L_x_\d+)", operands) if opcode == "BRA" else None
+    for position, (mnemonic, operands, _) in enumerate(instructions):
+        target = re.search(r"\.(L_x_\d+)", operands) if _opcode(mnemonic) == "BRA" else None
         if target and labels.get(target.group(1), position) < position:
             start = labels[target.group(1)]
             if loop == (0, len(instructions)) or position - start > loop[1] - loop[0]:
                 loop = (start, position + 1)
     body = instructions[loop[0] : loop[1]]
+    fp16_mmas = [position for position, (mnemonic, _, _) in enumerate(body) if mnemonic.startswith("HMMA.16816")]
+    tail = body[fp16_mmas[-1] + 1 :] if fp16_mmas else []
     return SassProfile(
-        opcodes=collections.Counter(opcode for opcode, _, _ in instructions),
-        loop_opcodes=collections.Counter(opcode for opcode, _, _ in body),
+        opcodes=collections.Counter(_opcode(mnemonic) for mnemonic, _, _ in instructions),
+        loop_opcodes=collections.Counter(_opcode(mnemonic) for mnemonic, _, _ in body),
         loop_lines=collections.Counter(where for _, _, where in body),
         loop_length=len(body),
         registers=int(re.search(r"REG:(\d+)", _tool("cuobjdump", "-res-usage", cubin=cubin)).group(1)),
+        tail_opcodes=collections.Counter(_opcode(mnemonic) for mnemonic, _, _ in tail),
+        tail_lines=collections.Counter(where for _, _, where in tail),
     )
+
+
+def _opcode(mnemonic: str) -> str:
+    """``HMMA.16816.F32`` -> ``HMMA``."""
+    return mnemonic.split(".")[0]
 
 
 def loop_counts(kernel_name: str) -> dict[str, dict[str, int]]:

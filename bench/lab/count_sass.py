@@ -8,9 +8,10 @@ G 32, 8-bit dithers, fp16 query), disassembles it with the ``nvdisasm`` that Tri
 instructions of the whole kernel and of the token loop alone (one iteration per 128-token tile), the
 registers, the local-memory spill stores (all, and those in the loop), the most frequent opcodes and,
 with ``--by-line`` and ``--by-function``, which source lines and functions the loop's instructions come
-from; ``--by-pipe`` counts them per issuing pipe. ``--maxnreg`` compiles the Gluon stage 1 at another register
-cap, ``--stage1 FILE`` another version of it (a ``bench/lab/whatif_stage1.py`` output; ``whatif_stage1.py none
---rev REV`` writes commit REV's).
+from; ``--by-pipe`` counts them per issuing pipe, and ``--tail`` those after PV's last MMA (the stretch before
+the next tile's wait and barrier, where a warp has no MMA work left to overlap with). ``--maxnreg`` compiles the
+Gluon stage 1 at another register cap, ``--stage1 FILE`` another version of it (a ``bench/lab/whatif_stage1.py``
+output; ``whatif_stage1.py none --rev REV`` writes commit REV's).
 
 Use the device's Triton version for figures that match its binaries (3.6 in 2026-12):
 ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36 python bench/lab/count_sass.py``.
@@ -59,6 +60,14 @@ PIPES = {
 }
 
 
+def by_function(lines: collections.Counter[tuple[str, int]]) -> collections.Counter[str]:
+    """Instructions per source line summed per enclosing function."""
+    functions: collections.Counter[str] = collections.Counter()
+    for (path, line), n in lines.items():
+        functions[_enclosing_function(path, line)] += n
+    return functions
+
+
 def by_pipe(opcodes: collections.Counter[str]) -> dict[str, int]:
     """The loop's instructions per issuing pipe (``PIPES``), the rest as ``other``."""
     counts = {pipe: sum(opcodes[op] for op in ops) for pipe, ops in PIPES.items()}
@@ -82,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--by-function", type=int, default=0, metavar="N", help="also list the N heaviest functions")
     parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (default: LAUNCH's)")
     parser.add_argument("--by-pipe", action="store_true", help="also count the loop's instructions per issuing pipe")
+    parser.add_argument("--tail", type=int, default=0, metavar="N", help="also count the loop's instructions after its "
+                        "last fp16 MMA (PV's), with the N heaviest functions among them")  # fmt: skip
     parser.add_argument("--stage1", type=Path, metavar="FILE", help="compile this version of kernels/gluon_decode.py "
                         "instead (--kernel gluon)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -118,11 +129,14 @@ def main(argv: list[str] | None = None) -> None:
         for (path, line), n in result.loop_lines.most_common(args.by_line):
             text = Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
             print(f"  {n:5d}  {Path(path).name}:{line}  {text[:90]}")
-        functions: collections.Counter[str] = collections.Counter()
-        for (path, line), n in result.loop_lines.items():
-            functions[_enclosing_function(path, line)] += n
-        for name, n in functions.most_common(args.by_function):
+        for name, n in by_function(result.loop_lines).most_common(args.by_function):
             print(f"  {n:5d}  {name}")
+        if args.tail:
+            tail = result.tail_opcodes
+            print(f"  after PV's last MMA: {sum(tail.values())} instructions (SHFL {tail['SHFL']}, BRA {tail['BRA']}, "
+                  f"BAR {tail['BAR']}, HMMA {tail['HMMA']})")  # fmt: skip
+            for name, n in by_function(result.tail_lines).most_common(args.tail):
+                print(f"  {n:5d}  {name}")
 
 
 if __name__ == "__main__":
