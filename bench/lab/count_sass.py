@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         opcodes = result.opcodes
         print(
             f"\n{'with' if certificate else 'without'} certificate: {sum(opcodes.values())} instructions, "
-            f"{result.loop_length} in the token loop, {result.registers} registers, {opcodes['STL']} spill stores "
-            f"({result.loop_opcodes['STL']} in the loop)"
+            f"{result.loop_length} in the token loop ({result.loop_opcodes['BAR']} CTA barriers), {result.registers} "
+            f"registers, {opcodes['STL']} spill stores ({result.loop_opcodes['STL']} in the loop)"
         )
         print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))
         if args.by_pipe:

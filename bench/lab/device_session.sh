@@ -6,7 +6,8 @@
 #   bash bench/lab/device_session.sh table           # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
 #   bash bench/lab/device_session.sh vdither         # the same with V dithered: the Gluon stage 1 against the Triton one
 #   bash bench/lab/device_session.sh memory          # the loop's copies alone, and the kernels with reads served by the L2
-#   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel
+#   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel,
+#                                                    # with DRAM and with the reads in the L2
 #                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)
 #   bash bench/lab/device_session.sh whatif_tests NAME  # the Gluon GPU tests with a what-if in the kernel's place
 #   bash bench/lab/device_session.sh caps            # the Gluon register caps (4 programs per SM at 128)
@@ -57,6 +58,9 @@ whatifs)
         python3 bench/lab/whatif_stage1.py "$name" --output "$out/stage1_$name.py"
         python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
             --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert --output "$out/whatif_$name.json"
+        # With the reads in the L2, where the kernel's own instructions set its pace (the H200's case).
+        python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
+            --resident-slots 16384 --variants int8_cert base_cert --output "$out/whatif_${name}_resident.json"
     done
     ;;
 whatif_tests)

@@ -5,7 +5,8 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
-(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``) compute what the real kernel does, which
+(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``radiuspv``, ``certearly``) compute
+what the real kernel does, which
 ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one compiled
 in the kernel's place. CI does not test them. None runs outside a benchmark:
 
@@ -33,6 +34,12 @@ in the kernel's place. CI does not test them. None runs outside a benchmark:
   tokens meet once, after the loop. It edits the loop and the split's stores together, which the current kernel
   keeps in separate functions (``certificate_tile``, ``store_split``): it applies to ``--source`` a copy of
   ``git show 9e7d36d:kernels/gluon_decode.py``;
+* ``radiusearly``, ``radiuspv``, ``certearly`` (code changes; compute what the real kernel does, in another
+  order): where the certificate's work sits against PV. The kernel runs it after PV's last MMA, a stretch of
+  344 instructions with nothing else to overlap (``count_sass.py --tail``); ``radiusearly`` computes the tile's
+  radius before V's wait (so the compiler interleaves the radius' MMAs, square roots and both lane reductions with
+  PV's MMAs; one more CTA barrier), ``radiuspv`` right after it (no new barrier, less of it interleaved),
+  ``certearly`` the whole certificate before V's wait (while V's copy is in flight, none of it beside PV);
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
   and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
@@ -353,6 +360,52 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 
 
 # Each what-if's edit of the source; the composite ones apply others in turn.
+# The tile's radius computed before or right after V's wait and passed to certificate_tile, which no longer reads
+# the scales for it.
+_RADIUS_PASSED = [
+    (
+        "token_ok, tile_scales, radius_ops,\n                tail, fold_row",
+        "token_ok, radius, radius_ops,\n                tail, fold_row",
+    ),
+    ("token_ok, tile_scales, radius_ops, tail,\n    fold_row", "token_ok, radius, radius_ops, tail,\n    fold_row"),
+    (
+        "    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n    is_arg",
+        "    is_arg",
+    ),
+]
+_RADIUS = "            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n"
+_RADIUSEARLY = [
+    (
+        "            tile_arg = tile_argmax(logits, tile_max)\n",
+        "            tile_arg = tile_argmax(logits, tile_max)\n" + _RADIUS,
+    ),
+    *_RADIUS_PASSED,
+]
+_RADIUSPV = [
+    (
+        "        async_copy.wait_group(1)  # this tile's V\n",
+        "        async_copy.wait_group(1)  # this tile's V\n        if CERTIFICATE:\n" + _RADIUS,
+    ),
+    *_RADIUS_PASSED,
+]
+_CERTIFICATE_CALL = """            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
+                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
+                tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+            )  # fmt: skip
+"""
+_CERTEARLY = [
+    (
+        "        # The certificate after PV, so that none of V's registers is live through it; the radius from the "
+        "scales\n        # read again, so that nothing of it stays live through QK and PV.\n"
+        "        if CERTIFICATE:\n" + _CERTIFICATE_CALL,
+        "",
+    ),
+    (
+        "            tile_arg = tile_argmax(logits, tile_max)\n",
+        "            tile_arg = tile_argmax(logits, tile_max)\n" + _CERTIFICATE_CALL,
+    ),
+]
+
 _EDITS = {
     "none": lambda text: text,
     "blockradius": _replacing(_BLOCKRADIUS),
@@ -361,6 +414,9 @@ _EDITS = {
     "copyonly": _replacing_spans(_COPYONLY_SPANS),
     "qkahead": _replacing(_QKAHEAD),
     "threadarg": _replacing_spans(_THREADARG_SPANS),
+    "radiusearly": _replacing(_RADIUSEARLY),
+    "radiuspv": _replacing(_RADIUSPV),
+    "certearly": _replacing(_CERTEARLY),
 }
 _COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
 VARIANTS = (*_EDITS, *_COMPOSITES)
