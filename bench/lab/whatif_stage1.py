@@ -6,9 +6,9 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
 (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``radiuspv``, ``certearly``) compute
-what the real kernel does, which
-``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one compiled
-in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs outside a benchmark:
+what the real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU
+contract tests on one compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the
+emulated ones on the CPU. CI does not test them. None runs outside a benchmark:
 
 * ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
