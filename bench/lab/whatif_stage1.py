@@ -5,7 +5,8 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
-(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``radiuspv``, ``certearly``) compute
+(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``radiuspv``, ``certearly``,
+``scalesearly``) compute
 what the real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU
 contract tests on one compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the
 emulated ones on the CPU. CI does not test them. None runs outside a benchmark:
@@ -40,6 +41,9 @@ emulated ones on the CPU. CI does not test them. None runs outside a benchmark:
   radius before V's wait (so the compiler interleaves the radius' MMAs, square roots and both lane reductions with
   PV's MMAs; one more CTA barrier), ``radiuspv`` right after it (no new barrier, less of it interleaved),
   ``certearly`` the whole certificate before V's wait (while V's copy is in flight, none of it beside PV);
+* ``scalesearly``: ``radiusearly`` with the tile's scales for the radius read from shared memory before the next
+  tile's copies are issued: read after them, as in ``radiusearly``, they cost the loop a fifth CTA barrier; here 4
+  scale registers stay live through the softmax instead;
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
   and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
@@ -406,6 +410,19 @@ _CERTEARLY = [
     ),
 ]
 
+_SCALESEARLY = [
+    (
+        "    s = gl.maximum(gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4]), _MIN_NORMAL)",
+        "    s = gl.maximum(gl.reshape(tile_scales.to(gl.float32), [4, 32, 4]), _MIN_NORMAL)",
+    ),
+    (
+        "        tile_scales = k_scales.index(stage)\n",
+        "        tile_scales = k_scales.index(stage)\n"
+        "        if CERTIFICATE:\n            radius_scales = tile_scales.load(_RADIUS_SCALES)\n",
+    ),
+    (_RADIUS, _RADIUS.replace("_radius(tile_scales,", "_radius(radius_scales,")),
+]
+
 _EDITS = {
     "none": lambda text: text,
     "blockradius": _replacing(_BLOCKRADIUS),
@@ -417,6 +434,7 @@ _EDITS = {
     "radiusearly": _replacing(_RADIUSEARLY),
     "radiuspv": _replacing(_RADIUSPV),
     "certearly": _replacing(_CERTEARLY),
+    "scalesearly": lambda text: _replacing(_SCALESEARLY)(_replacing(_RADIUSEARLY)(text)),
 }
 _COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
 VARIANTS = (*_EDITS, *_COMPOSITES)
