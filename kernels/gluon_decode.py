@@ -123,8 +123,8 @@ def decode_stage1_gluon(
 ):  # fmt: skip
     """One (row, block of 8 query heads, split): the outputs of ``triton_kernels.decode_stage1``."""
     # q's MMA operands stay in registers (16 a thread) where the loop fits them without a spill: reading them from
-    # shared memory every tile made the kernel 4% slower with its reads in the L2. The certified loop with bf16
-    # queries or a dithered V has no room for them (11 and 6 spill stores a tile, Triton 3.6).
+    # shared memory every tile made the kernel 3-4% slower with its reads in the L2 (docs/KERNELS.md). The certified
+    # loop with bf16 queries or a dithered V has no room for them (11 and 6 spill stores a tile, Triton 3.6).
     Q_IN_REGISTERS: gl.constexpr = not (CERTIFICATE and (V_DITHER or Q.dtype.element_ty == gl.bfloat16))
     row, split, kv_head, first_local = program_heads(KV_GROUP)
 

@@ -6,10 +6,10 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
 (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``radiuspv``, ``certearly``,
-``scalesearly``) compute
-what the real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU
-contract tests on one compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the
-emulated ones on the CPU. CI does not test them. None runs outside a benchmark:
+``scalesearly``) compute what the real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME``
+checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
+bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs outside a
+benchmark:
 
 * ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
@@ -366,29 +366,26 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 # Each what-if's edit of the source; the composite ones apply others in turn.
 # The tile's radius computed before or right after V's wait and passed to certificate_tile, which no longer reads
 # the scales for it.
+_RADIUS = "radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n"
 _RADIUS_PASSED = [
     (
         "token_ok, tile_scales, radius_ops,\n                tail, fold_row",
         "token_ok, radius, radius_ops,\n                tail, fold_row",
     ),
     ("token_ok, tile_scales, radius_ops, tail,\n    fold_row", "token_ok, radius, radius_ops, tail,\n    fold_row"),
-    (
-        "    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n    is_arg",
-        "    is_arg",
-    ),
+    ("    " + _RADIUS + "    is_arg", "    is_arg"),
 ]
-_RADIUS = "            radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n"
 _RADIUSEARLY = [
     (
         "            tile_arg = tile_argmax(logits, tile_max)\n",
-        "            tile_arg = tile_argmax(logits, tile_max)\n" + _RADIUS,
+        "            tile_arg = tile_argmax(logits, tile_max)\n            " + _RADIUS,
     ),
     *_RADIUS_PASSED,
 ]
 _RADIUSPV = [
     (
         "        async_copy.wait_group(1)  # this tile's V\n",
-        "        async_copy.wait_group(1)  # this tile's V\n        if CERTIFICATE:\n" + _RADIUS,
+        "        async_copy.wait_group(1)  # this tile's V\n        if CERTIFICATE:\n            " + _RADIUS,
     ),
     *_RADIUS_PASSED,
 ]
