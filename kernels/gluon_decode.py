@@ -43,6 +43,7 @@ from witcert.kernels.gluon_tiles import (
     softmax_tile,
     store_split,
     tile_argmax,
+    tile_radius,
     tile_tokens,
     v_dither_tile,
 )
@@ -221,6 +222,10 @@ def decode_stage1_gluon(
         if CERTIFICATE:
             tile_arg = tile_argmax(logits, tile_max)
         async_copy.wait_group(1)  # this tile's V
+        # The radius beside PV's MMAs, which the scheduler interleaves with its own MMAs, square roots and lane
+        # reductions; after PV they ran alone, 344 of the certified loop's instructions after PV's last MMA.
+        if CERTIFICATE:
+            radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
         acc0, acc1 = pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
         if V_DITHER:
@@ -230,12 +235,11 @@ def decode_stage1_gluon(
         _copy_scales(v_scales, VScales, next_v_scale_rows, start + BLOCK_N + tok_vs, hi, groups_vs)
         async_copy.commit_group()
 
-        # The certificate after PV, so that none of V's registers is live through it; the radius from the scales
-        # read again, so that nothing of it stays live through QK and PV.
+        # The rest of the certificate after PV, so that none of V's registers is live through it.
         if CERTIFICATE:
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
-                tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
+                w_rest, u_max, g_max,
             )  # fmt: skip
 
         running_max = new_max

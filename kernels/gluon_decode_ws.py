@@ -53,6 +53,7 @@ from witcert.kernels.gluon_tiles import (
     softmax_tile,
     store_split,
     tile_argmax,
+    tile_radius,
     tile_tokens,
     v_dither_tile,
 )
@@ -174,9 +175,10 @@ def _consume(
                                         weights, tile_v_scales, rest_alpha)  # fmt: skip
 
         if CERTIFICATE:
+            radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
-                tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
+                w_rest, u_max, g_max,
             )  # fmt: skip
         # The stage is free once the four warps have read it (the arrive waits for them).
         mbarrier.arrive(empty.index(stage), count=1)

@@ -28,8 +28,9 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
 
 A kernel runs, per split: ``query_operands`` and ``loop_start``; per tile, with its codes and scales in shared
 memory (K's per channel group in ``K_GROUP``'s placement, V's in ``V_LOAD``'s, both in ``ROW_MAJOR`` /
-``V_SHARED`` buffers), ``tile_tokens``, ``qk_tile``, ``softmax_tile``, ``pv_tokens`` on each 16-token half,
-``v_dither_tile`` (a dithered V) and ``certificate_tile``; then ``store_split``.
+``V_SHARED`` buffers), ``tile_tokens``, ``qk_tile``, ``softmax_tile``, ``tile_argmax`` and ``tile_radius`` (with
+the certificate), ``pv_tokens`` on each 16-token half, ``v_dither_tile`` (a dithered V) and ``certificate_tile``; then
+``store_split``.
 
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
 and start from ``sum(q_g alpha_g)``, so that they compute the negated logit part ``-q_g . (code_g - alpha_g)`` up
@@ -791,14 +792,19 @@ def _token_index():
 
 
 @gluon.jit
+def tile_radius(tile_scales, radius_ops, tail, token_ok):
+    """The tile's logit radii ``u`` (``_radius``) per ``[warp, token, head]``, 0 where a token is not live."""
+    return gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
+
+
+@gluon.jit
 def certificate_tile(
-    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops, tail,
-    fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest, w_rest,
+    u_max, g_max,
 ):  # fmt: skip
-    """One tile's certificate terms: the radius from its K scales, its argmax (``tile_argmax``) held apart, the rest
-    sums ``B``, ``U``, ``P`` rescaled to the new max with the tile's terms and the token that stops being held
+    """One tile's certificate terms from its radii (``tile_radius``): its argmax (``tile_argmax``) held apart, the
+    rest sums ``B``, ``U``, ``P`` rescaled to the new max with the tile's terms and the token that stops being held
     apart."""
-    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
     is_arg = _token_index() == tile_arg[:, None, :]
     u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
     g_arg = g_of(u_arg, True)

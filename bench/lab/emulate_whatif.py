@@ -8,7 +8,7 @@ races between warps, ``ex2.approx``'s last bits; ``docs/KERNELS.md``, Tests with
 
     python bench/lab/emulate_whatif.py radiusearly          # a what-if by name
     python bench/lab/emulate_whatif.py --file stage1.py     # or a stage 1 written before
-    python bench/lab/emulate_whatif.py radiuspv -- -k mha   # arguments after -- go to pytest
+    python bench/lab/emulate_whatif.py certearly -- -k mha  # arguments after -- go to pytest
 
 The exit status is pytest's.
 """

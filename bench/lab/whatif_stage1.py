@@ -5,7 +5,7 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
-(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``radiuspv``, ``certearly``,
+(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``,
 ``scalesearly``) compute what the real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME``
 checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
 bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs outside a
@@ -35,12 +35,11 @@ benchmark:
   tokens meet once, after the loop. It edits the loop and the split's stores together, which the current kernel
   keeps in separate functions (``certificate_tile``, ``store_split``): it applies to ``--source`` a copy of
   ``git show 9e7d36d:kernels/gluon_decode.py``;
-* ``radiusearly``, ``radiuspv``, ``certearly`` (code changes; compute what the real kernel does, in another
-  order): where the certificate's work sits against PV. The kernel runs it after PV's last MMA, a stretch of
-  344 instructions with nothing else to overlap (``count_sass.py --tail``); ``radiusearly`` computes the tile's
-  radius before V's wait (so the compiler interleaves the radius' MMAs, square roots and both lane reductions with
-  PV's MMAs; one more CTA barrier), ``radiuspv`` right after it (no new barrier, less of it interleaved),
-  ``certearly`` the whole certificate before V's wait (while V's copy is in flight, none of it beside PV);
+* ``radiusearly``, ``certearly`` (code changes; compute what the real kernel does, in another order): where the
+  certificate's work sits against PV. The kernel computes the tile's radius right after V's wait, beside PV's
+  MMAs, and the rest after PV's last MMA; ``radiusearly`` computes the radius before V's wait (the compiler
+  interleaves more of it, both lane reductions too, with PV's MMAs; one more CTA barrier), ``certearly`` the whole
+  certificate before V's wait (while V's copy is in flight, none of it beside PV);
 * ``scalesearly``: ``radiusearly`` with the tile's scales for the radius read from shared memory before the next
   tile's copies are issued: read after them, as in ``radiusearly``, they cost the loop a fifth CTA barrier; here 4
   scale registers stay live through the softmax instead;
@@ -88,10 +87,10 @@ def current_source(rev: str | None = None) -> str:
 
 _BLOCKRADIUS = [
     (
-        "    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n",
-        "    radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n"
+        "    is_arg = _token_index() == tile_arg[:, None, :]\n",
         "    u_block_max = gl.max(radius, axis=1)\n"
-        "    g_block_max = g_of(u_block_max, True)\n",
+        "    g_block_max = g_of(u_block_max, True)\n"
+        "    is_arg = _token_index() == tile_arg[:, None, :]\n",
     ),
     (
         "    u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)\n    g_arg = g_of(u_arg, True)\n",
@@ -160,13 +159,12 @@ _COPYONLY_SPANS = [
         "",
     ),
     (
-        "        acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))\n",
+        "        # The radius beside PV's MMAs",
         "        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)\n",
         "",
     ),
     (
-        "        # The certificate after PV, so that none of V's registers is live through it; the radius from the "
-        "scales\n",
+        "        # The rest of the certificate after PV",
         "        slots = next_slots\n",
         "",
     ),
@@ -364,47 +362,28 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 
 
 # Each what-if's edit of the source; the composite ones apply others in turn.
-# The tile's radius computed before or right after V's wait and passed to certificate_tile, which no longer reads
-# the scales for it.
-_RADIUS = "radius = gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)\n"
-_RADIUS_PASSED = [
-    (
-        "token_ok, tile_scales, radius_ops,\n                tail, fold_row",
-        "token_ok, radius, radius_ops,\n                tail, fold_row",
-    ),
-    ("token_ok, tile_scales, radius_ops, tail,\n    fold_row", "token_ok, radius, radius_ops, tail,\n    fold_row"),
-    ("    " + _RADIUS + "    is_arg", "    is_arg"),
-]
-_RADIUSEARLY = [
-    (
-        "            tile_arg = tile_argmax(logits, tile_max)\n",
-        "            tile_arg = tile_argmax(logits, tile_max)\n            " + _RADIUS,
-    ),
-    *_RADIUS_PASSED,
-]
-_RADIUSPV = [
-    (
-        "        async_copy.wait_group(1)  # this tile's V\n",
-        "        async_copy.wait_group(1)  # this tile's V\n        if CERTIFICATE:\n            " + _RADIUS,
-    ),
-    *_RADIUS_PASSED,
-]
+# The kernel computes the tile's radius right after V's wait, beside PV; these move it, or the whole certificate,
+# before V's wait.
+_RADIUS_CALL = "radius = tile_radius(tile_scales, radius_ops, tail, token_ok)\n"
+_RADIUS_OFF_PV = (
+    "        if CERTIFICATE:\n            " + _RADIUS_CALL + "        acc0, acc1 = pv_tokens(",
+    "        acc0, acc1 = pv_tokens(",
+)
+_TILE_ARGMAX = "            tile_arg = tile_argmax(logits, tile_max)\n"
+_RADIUSEARLY = [_RADIUS_OFF_PV, (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL)]
 _CERTIFICATE_CALL = """            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, token_ok, tile_scales, radius_ops,
-                tail, fold_row, b_rest, u_rest, w_rest, u_max, g_max,
+                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
+                w_rest, u_max, g_max,
             )  # fmt: skip
 """
 _CERTEARLY = [
+    _RADIUS_OFF_PV,
     (
-        "        # The certificate after PV, so that none of V's registers is live through it; the radius from the "
-        "scales\n        # read again, so that nothing of it stays live through QK and PV.\n"
+        "        # The rest of the certificate after PV, so that none of V's registers is live through it.\n"
         "        if CERTIFICATE:\n" + _CERTIFICATE_CALL,
         "",
     ),
-    (
-        "            tile_arg = tile_argmax(logits, tile_max)\n",
-        "            tile_arg = tile_argmax(logits, tile_max)\n" + _CERTIFICATE_CALL,
-    ),
+    (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL + _CERTIFICATE_CALL),
 ]
 
 _SCALESEARLY = [
@@ -417,7 +396,7 @@ _SCALESEARLY = [
         "        tile_scales = k_scales.index(stage)\n"
         "        if CERTIFICATE:\n            radius_scales = tile_scales.load(_RADIUS_SCALES)\n",
     ),
-    (_RADIUS, _RADIUS.replace("_radius(tile_scales,", "_radius(radius_scales,")),
+    (_RADIUS_CALL, _RADIUS_CALL.replace("tile_radius(tile_scales,", "tile_radius(radius_scales,")),
 ]
 
 _EDITS = {
@@ -429,7 +408,6 @@ _EDITS = {
     "qkahead": _replacing(_QKAHEAD),
     "threadarg": _replacing_spans(_THREADARG_SPANS),
     "radiusearly": _replacing(_RADIUSEARLY),
-    "radiuspv": _replacing(_RADIUSPV),
     "certearly": _replacing(_CERTEARLY),
     "scalesearly": lambda text: _replacing(_SCALESEARLY)(_replacing(_RADIUSEARLY)(text)),
 }
