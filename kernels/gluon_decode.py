@@ -222,9 +222,10 @@ def decode_stage1_gluon(
         if CERTIFICATE:
             tile_arg = tile_argmax(logits, tile_max)
         async_copy.wait_group(1)  # this tile's V
-        # The radius beside PV's MMAs, which the scheduler interleaves with its own MMAs, square roots and lane
-        # reductions; after PV they ran alone, 344 of the certified loop's instructions after PV's last MMA.
-        if CERTIFICATE:
+        # With V rounded, the radius beside PV's MMAs, which the scheduler interleaves with its MMAs, square roots
+        # and lane reductions (after PV they ran alone); with V dithered, after PV, where it was 5% faster on an
+        # H100 (docs/KERNELS.md, the certificate beside PV).
+        if CERTIFICATE and not V_DITHER:
             radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
         acc0, acc1 = pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
@@ -237,6 +238,8 @@ def decode_stage1_gluon(
 
         # The rest of the certificate after PV, so that none of V's registers is live through it.
         if CERTIFICATE:
+            if V_DITHER:
+                radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
             b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
                 w_rest, u_max, g_max,

@@ -159,7 +159,7 @@ _COPYONLY_SPANS = [
         "",
     ),
     (
-        "        # The radius beside PV's MMAs",
+        "        # With V rounded, the radius beside PV's MMAs",
         "        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)\n",
         "",
     ),
@@ -362,11 +362,11 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 
 
 # Each what-if's edit of the source; the composite ones apply others in turn.
-# The kernel computes the tile's radius right after V's wait, beside PV; these move it, or the whole certificate,
-# before V's wait.
+# With V rounded the kernel computes the tile's radius right after V's wait, beside PV; these move it, or the whole
+# certificate, before V's wait (V rounded only: with V dithered the kernel computes the radius after PV).
 _RADIUS_CALL = "radius = tile_radius(tile_scales, radius_ops, tail, token_ok)\n"
 _RADIUS_OFF_PV = (
-    "        if CERTIFICATE:\n            " + _RADIUS_CALL + "        acc0, acc1 = pv_tokens(",
+    "        if CERTIFICATE and not V_DITHER:\n            " + _RADIUS_CALL + "        acc0, acc1 = pv_tokens(",
     "        acc0, acc1 = pv_tokens(",
 )
 _TILE_ARGMAX = "            tile_arg = tile_argmax(logits, tile_max)\n"
@@ -380,7 +380,7 @@ _CERTEARLY = [
     _RADIUS_OFF_PV,
     (
         "        # The rest of the certificate after PV, so that none of V's registers is live through it.\n"
-        "        if CERTIFICATE:\n" + _CERTIFICATE_CALL,
+        "        if CERTIFICATE:\n            if V_DITHER:\n                " + _RADIUS_CALL + _CERTIFICATE_CALL,
         "",
     ),
     (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL + _CERTIFICATE_CALL),
@@ -396,7 +396,10 @@ _SCALESEARLY = [
         "        tile_scales = k_scales.index(stage)\n"
         "        if CERTIFICATE:\n            radius_scales = tile_scales.load(_RADIUS_SCALES)\n",
     ),
-    (_RADIUS_CALL, _RADIUS_CALL.replace("tile_radius(tile_scales,", "tile_radius(radius_scales,")),
+    *(
+        (indent + _RADIUS_CALL, indent + _RADIUS_CALL.replace("tile_radius(tile_scales,", "tile_radius(radius_scales,"))
+        for indent in (_TILE_ARGMAX + " " * 12, " " * 16)
+    ),
 ]
 
 _EDITS = {
