@@ -224,7 +224,7 @@ def decode_stage1_gluon(
         async_copy.wait_group(1)  # this tile's V
         # With V rounded, the radius beside PV's MMAs, which the scheduler interleaves with its MMAs, square roots
         # and lane reductions (after PV they ran alone); with V dithered, after PV, where it was 5% faster on an
-        # H100 (docs/KERNELS.md, the certificate beside PV).
+        # H100 (docs/KERNELS.md, "The radius beside PV").
         if CERTIFICATE and not V_DITHER:
             radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))

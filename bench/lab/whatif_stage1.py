@@ -5,7 +5,7 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
-(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``,
+(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``, ``gpv``,
 ``scalesearly``) compute what the real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME``
 checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
 bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs outside a
@@ -40,6 +40,8 @@ benchmark:
   MMAs, and the rest after PV's last MMA; ``radiusearly`` computes the radius before V's wait (the compiler
   interleaves more of it, both lane reductions too, with PV's MMAs; one more CTA barrier), ``certearly`` the whole
   certificate before V's wait (while V's copy is in flight, none of it beside PV);
+* ``gpv`` (a code change; computes what the real kernel does): the radii's ``g`` computed with the radius, beside
+  PV, rather than in ``certificate_tile`` after PV's last MMA, where it is the larger part of what remains there;
 * ``scalesearly``: ``radiusearly`` with the tile's scales for the radius read from shared memory before the next
   tile's copies are issued: read after them, as in ``radiusearly``, they cost the loop a fifth CTA barrier; here 4
   scale registers stay live through the softmax instead;
@@ -386,6 +388,24 @@ _CERTEARLY = [
     (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL + _CERTIFICATE_CALL),
 ]
 
+# gpv: the radii's g (``_g_of_radii``, 99 of the 208 instructions after PV's last MMA) computed with the radius,
+# beside PV, and passed to certificate_tile.
+_GPV = [
+    (
+        "weights, radius, fold_row, b_rest, u_rest, w_rest,\n    u_max",
+        "weights, radius, radius_g, fold_row, b_rest, u_rest,\n    w_rest, u_max",
+    ),
+    ("_thread_sum(rest_weights * _g_of_radii(radius))", "_thread_sum(rest_weights * radius_g)"),
+    (
+        "rest_alpha, weights, radius, fold_row, b_rest, u_rest,\n                w_rest",
+        "rest_alpha, weights, radius, radius_g, fold_row, b_rest,\n                u_rest, w_rest",
+    ),
+    *(
+        (indent + _RADIUS_CALL + after, indent + _RADIUS_CALL + indent + "radius_g = _g_of_radii(radius)\n" + after)
+        for indent, after in ((" " * 12, "        acc0, acc1 = pv_tokens("), (" " * 16, "            b_rest"))
+    ),
+]
+
 _SCALESEARLY = [
     (
         "    s = gl.maximum(gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4]), _MIN_NORMAL)",
@@ -412,6 +432,7 @@ _EDITS = {
     "threadarg": _replacing_spans(_THREADARG_SPANS),
     "radiusearly": _replacing(_RADIUSEARLY),
     "certearly": _replacing(_CERTEARLY),
+    "gpv": _replacing(_GPV),
     "scalesearly": lambda text: _replacing(_SCALESEARLY)(_replacing(_RADIUSEARLY)(text)),
 }
 _COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
