@@ -223,7 +223,7 @@ def decode_stage1_gluon(
             tile_arg = tile_argmax(logits, tile_max)
         async_copy.wait_group(1)  # this tile's V
         # With V rounded, the radius beside PV's MMAs, which the scheduler interleaves with its MMAs, square roots
-        # and lane reductions (after PV they ran alone); with V dithered, after PV, where it was 5% faster on an
+        # and lane reductions (after PV they ran alone); with V dithered, after PV, where it was 1-5% faster on an
         # H100 (docs/KERNELS.md, "The radius beside PV").
         if CERTIFICATE and not V_DITHER:
             radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
