@@ -2,7 +2,12 @@
 # GPU runs on the device machine, in stages that each fit one call of the device tool (10 minutes at most).
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
-#   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes)
+#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 table, then memory;
+#                                                    # on another card validate (the timings #31 asks for
+#                                                    # are the H200's; elsewhere the tests are the better use)
+#   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
+#                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
+#                                                    # aggregator GPU tests too (about 1 minute more)
 #   bash bench/lab/device_session.sh table           # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
 #   bash bench/lab/device_session.sh vdither         # the same with V dithered: the Gluon stage 1 against the Triton one
 #   bash bench/lab/device_session.sh memory          # the loop's copies alone, and the kernels with reads served by the L2
@@ -24,16 +29,38 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="validate table vdither memory whatifs whatif_tests caps profile full"
+stages="auto validate table vdither memory whatifs whatif_tests caps profile full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e .
 
+validate() {
+    local tests=(tests/test_kernels_gpu.py)
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        # The image lacks the telemetry and transformers packages that these two import.
+        python3 -m pip install -q --no-index --no-deps .whl/*.whl
+        tests+=(tests/test_cache_gpu.py tests/test_aggregator_gpu.py)
+    else
+        echo "no .whl/: tests/test_cache_gpu.py and tests/test_aggregator_gpu.py not run (bench/e2e_wheels.sh)" >&2
+    fi
+    python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
+}
+
 case "$stage" in
+auto)
+    card="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+    echo "card: $card" | tee "$out/card.txt"
+    if [[ "$card" == *H200* ]]; then
+        bash "$0" table
+        bash "$0" memory
+    else
+        validate
+    fi
+    ;;
 validate)
-    python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    validate
     ;;
 table)
     python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" \
