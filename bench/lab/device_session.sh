@@ -3,8 +3,8 @@
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
 #   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 table, then memory;
-#                                                    # on another card validate (the timings #31 asks for
-#                                                    # are the H200's; elsewhere the tests are the better use)
+#                                                    # on another card validate (the decode targets are set
+#                                                    # on the H200; elsewhere the tests are the better use)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
 #                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
 #                                                    # aggregator GPU tests too (about 1 minute more)
@@ -48,13 +48,28 @@ validate() {
     python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
 }
 
+table() {
+    python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" \
+        --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_table.json"
+}
+
+memory() {
+    # Memory alone: the Gluon loop with its copies and nothing else, against the real kernel in one run.
+    python3 bench/lab/whatif_stage1.py copyonly --output "$out/stage1_copyonly.py"
+    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_copyonly.py" \
+        --variants sdpa_cudnn int8_nocert int8_cert base_nocert --output "$out/whatif_copyonly.json"
+    # Everything but DRAM: the same kernels reading 16k slots (18 MB of int8 K and V) that the L2 holds.
+    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 \
+        --variants int8_nocert int8_cert --output "$out/kernels_resident.json"
+}
+
 case "$stage" in
 auto)
     card="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
     echo "card: $card" | tee "$out/card.txt"
     if [[ "$card" == *H200* ]]; then
-        bash "$0" table
-        bash "$0" memory
+        table
+        memory
     else
         validate
     fi
@@ -63,21 +78,14 @@ validate)
     validate
     ;;
 table)
-    python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" \
-        --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_table.json"
+    table
     ;;
 vdither)
     python3 bench/bench_kernels.py --v-dither on "${sizes[@]}" \
         --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_vdither.json"
     ;;
 memory)
-    # Memory alone: the Gluon loop with its copies and nothing else, against the real kernel in one run.
-    python3 bench/lab/whatif_stage1.py copyonly --output "$out/stage1_copyonly.py"
-    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_copyonly.py" \
-        --variants sdpa_cudnn int8_nocert int8_cert base_nocert --output "$out/whatif_copyonly.json"
-    # Everything but DRAM: the same kernels reading 16k slots (18 MB of int8 K and V) that the L2 holds.
-    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 \
-        --variants int8_nocert int8_cert --output "$out/kernels_resident.json"
+    memory
     ;;
 whatifs)
     [[ $# -gt 1 ]] || { echo "whatifs: name the what-ifs to time (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }

@@ -364,15 +364,19 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 
 
 # Each what-if's edit of the source; the composite ones apply others in turn.
-# With V rounded the kernel computes the tile's radius right after V's wait, beside PV; these move it, or the whole
-# certificate, before V's wait (V rounded only: with V dithered the kernel computes the radius after PV).
+# The kernel computes the tile's radius right after V's wait, beside PV, with V rounded, and after PV with V
+# dithered; these move it, or the whole certificate, before V's wait in both.
 _RADIUS_CALL = "radius = tile_radius(tile_scales, radius_ops, tail, token_ok)\n"
 _RADIUS_OFF_PV = (
     "        if CERTIFICATE and not V_DITHER:\n            " + _RADIUS_CALL + "        acc0, acc1 = pv_tokens(",
     "        acc0, acc1 = pv_tokens(",
 )
 _TILE_ARGMAX = "            tile_arg = tile_argmax(logits, tile_max)\n"
-_RADIUSEARLY = [_RADIUS_OFF_PV, (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL)]
+_RADIUSEARLY = [
+    _RADIUS_OFF_PV,
+    ("        if CERTIFICATE:\n            if V_DITHER:\n                " + _RADIUS_CALL, "        if CERTIFICATE:\n"),
+    (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL),
+]
 _CERTIFICATE_CALL = """            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
                 tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
                 w_rest, u_max, g_max,
@@ -416,9 +420,9 @@ _SCALESEARLY = [
         "        tile_scales = k_scales.index(stage)\n"
         "        if CERTIFICATE:\n            radius_scales = tile_scales.load(_RADIUS_SCALES)\n",
     ),
-    *(
-        (indent + _RADIUS_CALL, indent + _RADIUS_CALL.replace("tile_radius(tile_scales,", "tile_radius(radius_scales,"))
-        for indent in (_TILE_ARGMAX + " " * 12, " " * 16)
+    (
+        _TILE_ARGMAX + " " * 12 + _RADIUS_CALL,
+        _TILE_ARGMAX + " " * 12 + _RADIUS_CALL.replace("tile_radius(tile_scales,", "tile_radius(radius_scales,"),
     ),
 ]
 
