@@ -18,6 +18,8 @@
 #   bash bench/lab/device_session.sh caps            # the Gluon register caps (4 programs per SM at 128)
 #   bash bench/lab/device_session.sh profile [NAME]  # ncu's issue, scheduler and stall figures at B = 32, S = 16k,
 #                                                    # for the kernel or a what-if (about 2 minutes)
+#   bash bench/lab/device_session.sh stalls          # ncu's per-instruction stall samples of the kernel without and with
+#                                                    # the certificate, reads in the L2 (B = 32, S = 16k; about 3 minutes)
 #   bash bench/lab/device_session.sh full            # every size of bench_kernels.py, V rounded to nearest
 #
 # Every stage installs the package first (a fresh machine has only the checkout) and stops at the first error.
@@ -29,7 +31,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="auto validate table vdither memory whatifs whatif_tests caps profile full"
+stages="auto validate table vdither memory whatifs whatif_tests caps profile stalls full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -61,6 +63,23 @@ memory() {
     # Everything but DRAM: the same kernels reading 16k slots (18 MB of int8 K and V) that the L2 holds.
     python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 \
         --variants int8_nocert int8_cert --output "$out/kernels_resident.json"
+}
+
+stalls() {
+    # Where the certificate's instructions wait once DRAM is out of the picture: the stall reasons' shares and
+    # the opcodes sampled, with and without it (the reports stay on the machine; their SASS pages come back).
+    local certificate
+    for certificate in off on; do
+        ncu --clock-control none --kernel-name regex:decode_stage1 --launch-skip 4 --launch-count 1 \
+            --section WarpStateStats --section SchedulerStats --section SourceCounters -f -o "/tmp/stalls_$certificate" \
+            python3 bench/lab/profile_decode.py --batch 32 --context 16384 --resident-slots 16384 \
+            --certificate "$certificate" > "$out/stalls_$certificate.txt" 2>&1
+        ncu -i "/tmp/stalls_$certificate.ncu-rep" --page details >> "$out/stalls_$certificate.txt"
+        ncu -i "/tmp/stalls_$certificate.ncu-rep" --page source --csv --print-source sass \
+            | gzip > "$out/stalls_${certificate}_sass.csv.gz"
+        python3 bench/lab/ncu_stalls.py "$out/stalls_${certificate}_sass.csv.gz" --top 20 \
+            | tee -a "$out/stalls_$certificate.txt"
+    done
 }
 
 case "$stage" in
@@ -122,6 +141,9 @@ profile)
         python3 bench/lab/profile_decode.py --batch 32 --context 16384 --certificate on ${stage1[@]+"${stage1[@]}"} \
         > "$out/ncu_$what.txt" 2>&1
     tail -60 "$out/ncu_$what.txt"
+    ;;
+stalls)
+    stalls
     ;;
 full)
     python3 bench/bench_kernels.py --v-dither off --output "$out/kernels_full.json"

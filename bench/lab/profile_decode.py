@@ -13,7 +13,9 @@ and stage 2 (their sum is a little below ``bench_kernels.py``'s graph replays, w
 
 The shape is Qwen2.5-7B's (28 query heads, 4 KV heads, head_dim 128), one layer, K dithered and V
 rounded to nearest, as in the benchmark. ``--stage1-file FILE`` profiles another version of
-``kernels/gluon_decode.py`` (a ``bench/lab/whatif_stage1.py`` output) in its place.
+``kernels/gluon_decode.py`` (a ``bench/lab/whatif_stage1.py`` output) in its place. ``--resident-slots N`` makes
+every row read the same N slots (``bench_kernels.py``'s option of that name): with N small enough for the L2, the
+kernel's own instructions rather than DRAM set its pace, as on the H200.
 """
 
 from __future__ import annotations
@@ -45,26 +47,31 @@ def main() -> None:
     parser.add_argument("--stage1", choices=["gluon", "triton"], default="gluon", help="which stage 1 runs")
     parser.add_argument("--calls", type=int, default=8, help="decode calls to make (profile one past warm-up)")
     parser.add_argument("--maxnreg", type=int, help="the Gluon stage 1's register cap (0: none; default: LAUNCH's)")
+    parser.add_argument("--resident-slots", type=int, metavar="N", help="every row reads slots 0..N-1 (the L2 holds "
+                        "16384: 18 MB of int8 K and V)")  # fmt: skip
     parser.add_argument("--stage1-file", type=Path, metavar="FILE", help="another version of kernels/gluon_decode.py")
     parser.add_argument("--kernel-times", action="store_true",
                         help="print each kernel's median device time, with and without the certificate")  # fmt: skip
     args = parser.parse_args()
+    if args.resident_slots is not None and args.resident_slots < 1:
+        parser.error(f"--resident-slots must be at least 1, not {args.resident_slots}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     if args.stage1_file:
         witcert.kernels.gluon_decode = load_stage1(args.stage1_file)
 
     tokens = args.batch * args.context
+    slots = min(args.resident_slots or tokens, tokens)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    pool = KVPool(tokens, 1, KV_HEADS, HEAD_DIM, device="cuda")
+    pool = KVPool(slots, 1, KV_HEADS, HEAD_DIM, device="cuda")
     chunk = 2**20
-    for start in range(0, tokens, chunk):
-        stop = min(start + chunk, tokens)
+    for start in range(0, slots, chunk):
+        stop = min(start + chunk, slots)
         k, v = torch.randn(2, stop - start, KV_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
         pool.write(0, torch.arange(start, stop, device="cuda"), k, v, validate=False)
     q = torch.randn(args.batch, Q_HEADS, HEAD_DIM, device="cuda", generator=generator).half()
     indptr = torch.arange(args.batch + 1, device="cuda", dtype=torch.int32) * args.context
-    indices = torch.arange(tokens, device="cuda", dtype=torch.int32)
+    indices = torch.arange(tokens, device="cuda", dtype=torch.int32) % slots
     LAUNCH.gluon, LAUNCH.gluon_min_tokens = args.stage1 == "gluon", 0
     if args.maxnreg is not None:
         LAUNCH.gluon_maxnreg = LAUNCH.gluon_maxnreg_nocert = args.maxnreg or None
