@@ -18,7 +18,8 @@ replays (``triton.testing.do_bench_cudagraph``), so the ratios are paired:
   another version of ``kernels/gluon_decode.py`` and its ``gluon_tiles.py`` as one module (``python
   bench/lab/whatif_stage1.py none --rev REV --output FILE``), in its place; everything else (stage 2, the shared
   Triton helpers) is this checkout's. Changes smaller than the few percent two runs differ by are measurable only
-  this way, paired in one run.
+  this way, paired in one run. ``--baseline-maxnreg N`` runs them at register cap N (both variants; the default
+  splits follow it, filling whole waves of as many programs per SM as the cap allows).
 
 Inputs are rotated among enough copies that each timed call reads at least 512 MB, so the L2 (50 MB on
 the H200) cannot serve them. ``--resident-slots N`` does the opposite, to split a kernel's time into memory
@@ -94,6 +95,7 @@ def bench_decode(
     dtype: torch.dtype = torch.float16,
     baseline: ModuleType | None = None,
     resident_slots: int | None = None,
+    baseline_maxnreg: int | None = None,
 ) -> dict:
     tokens = batch * context
     fp16_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * 2
@@ -142,7 +144,13 @@ def bench_decode(
         i = next_copy()
         decode_attention_fp16(q[i], k_cache, v_cache, indptr, indices[i], out=out)
 
-    def int8(certificate: bool, gluon: bool, stage1: ModuleType | None = None, ws_maxnreg: int | None = None):
+    def int8(
+        certificate: bool,
+        gluon: bool,
+        stage1: ModuleType | None = None,
+        ws_maxnreg: int | None = None,
+        maxnreg: int | None = None,
+    ):
         def run() -> None:
             # Read when the graph is captured: each variant records its own stage 1 (the Gluon one at every
             # size, so that the table shows where the size threshold, LAUNCH.gluon_min_tokens, belongs).
@@ -150,13 +158,17 @@ def bench_decode(
             LAUNCH.gluon_ws = ws_maxnreg is not None
             LAUNCH.gluon_ws_maxnreg = ws_maxnreg or LaunchConfig.gluon_ws_maxnreg
             current = importlib.import_module("witcert.kernels.gluon_decode")
+            caps = LAUNCH.gluon_maxnreg, LAUNCH.gluon_maxnreg_nocert
             # attention.py imports the Gluon module at each call: the baseline takes its place for this one.
             witcert.kernels.gluon_decode = stage1 or current
+            if maxnreg is not None:
+                LAUNCH.gluon_maxnreg = LAUNCH.gluon_maxnreg_nocert = maxnreg
             try:
                 i = next_copy()
                 decode_attention(q[i], pool, 0, indptr, indices[i], delta_step=delta, out=out, certificate=certificate)
             finally:
                 witcert.kernels.gluon_decode = current
+                LAUNCH.gluon_maxnreg, LAUNCH.gluon_maxnreg_nocert = caps
 
         return run
 
@@ -168,8 +180,8 @@ def bench_decode(
         ("int8_cert", int8(True, True), int8_bytes),
         ("triton_nocert", int8(False, False), int8_bytes),
         ("triton_cert", int8(True, False), int8_bytes),
-        ("base_nocert", int8(False, True, baseline), int8_bytes),
-        ("base_cert", int8(True, True, baseline), int8_bytes),
+        ("base_nocert", int8(False, True, baseline, maxnreg=baseline_maxnreg), int8_bytes),
+        ("base_cert", int8(True, True, baseline, maxnreg=baseline_maxnreg), int8_bytes),
         ("ws_nocert", int8(False, True, ws_maxnreg=LaunchConfig.gluon_ws_maxnreg), int8_bytes),
         ("ws_cert", int8(True, True, ws_maxnreg=LaunchConfig.gluon_ws_maxnreg), int8_bytes),
         ("ws128_nocert", int8(False, True, ws_maxnreg=128), int8_bytes),
@@ -265,6 +277,8 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("bench/results/kernels_h200.json"))
     parser.add_argument("--baseline-stage1", type=Path, metavar="FILE", help="another version of "
                         "kernels/gluon_decode.py, timed in the same run as base_nocert / base_cert")  # fmt: skip
+    parser.add_argument("--baseline-maxnreg", type=int, metavar="N", help="the base_ variants' register cap "
+                        "(default: LAUNCH's); the default splits follow it")  # fmt: skip
     parser.add_argument("--sweep", choices=["gluon", "triton", "both"], help="first pick the launch config of "
                         "these stage-1 kernels (B=32, S=16k); the others keep the defaults")  # fmt: skip
     parser.add_argument("--variants", nargs="+", choices=VARIANTS + BASELINE_VARIANTS, help="time only these "
@@ -278,6 +292,8 @@ def main() -> None:
         parser.error("--variants base_nocert / base_cert need --baseline-stage1")
     if args.resident_slots is not None and args.resident_slots < 1:
         parser.error(f"--resident-slots must be at least 1, not {args.resident_slots}")
+    if args.baseline_maxnreg is not None and (baseline is None or not 24 <= args.baseline_maxnreg <= 255):
+        parser.error("--baseline-maxnreg needs --baseline-stage1 and a cap from 24 to 255 registers")
     delta = reference.delta_step(28, Q_HEADS)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     results = {
@@ -286,6 +302,7 @@ def main() -> None:
         "copy_tbps": copy_bandwidth(),
         "write": bench_write(),
         "baseline_stage1": str(args.baseline_stage1) if baseline else None,
+        "baseline_maxnreg": args.baseline_maxnreg,
         "resident_slots": args.resident_slots,
         "decode": [],
     }
@@ -302,7 +319,7 @@ def main() -> None:
             for context in args.contexts:
                 row = bench_decode(
                     batch, context, v_dither, delta, names=names, dtype=dtype, baseline=baseline,
-                    resident_slots=args.resident_slots,
+                    resident_slots=args.resident_slots, baseline_maxnreg=args.baseline_maxnreg,
                 )  # fmt: skip
                 row["v_dither"] = v_dither
                 row["dtype"] = args.dtype

@@ -18,6 +18,9 @@
 #   bash bench/lab/device_session.sh caps            # the Gluon register caps (4 programs per SM at 128)
 #   bash bench/lab/device_session.sh profile [NAME]  # ncu's issue, scheduler and stall figures at B = 32, S = 16k,
 #                                                    # for the kernel or a what-if (about 2 minutes)
+#   bash bench/lab/device_session.sh occupancy       # four programs per SM (cap 128, the certified loop's q in shared
+#                                                    # memory: whatif qshared) against three (168), with DRAM and with
+#                                                    # the reads in the L2 (about 6 minutes)
 #   bash bench/lab/device_session.sh stalls          # ncu's per-instruction stall samples of the kernel without and with
 #                                                    # the certificate, reads in the L2 (B = 32, S = 16k; about 3 minutes)
 #   bash bench/lab/device_session.sh full            # every size of bench_kernels.py, V rounded to nearest
@@ -31,7 +34,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="auto validate table vdither memory whatifs whatif_tests caps profile stalls full"
+stages="auto validate table vdither memory whatifs whatif_tests caps occupancy profile stalls full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -63,6 +66,15 @@ memory() {
     # Everything but DRAM: the same kernels reading 16k slots (18 MB of int8 K and V) that the L2 holds.
     python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 \
         --variants int8_nocert int8_cert --output "$out/kernels_resident.json"
+}
+
+occupancy() {
+    python3 bench/lab/whatif_stage1.py qshared --output "$out/stage1_qshared.py"
+    local paired=(--baseline-stage1 "$out/stage1_qshared.py" --baseline-maxnreg 128
+                  --variants int8_nocert int8_cert base_nocert base_cert)
+    python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" "${paired[@]}" --output "$out/occupancy.json"
+    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 "${paired[@]}" \
+        --output "$out/occupancy_resident.json"
 }
 
 stalls() {
@@ -141,6 +153,9 @@ profile)
         python3 bench/lab/profile_decode.py --batch 32 --context 16384 --certificate on ${stage1[@]+"${stage1[@]}"} \
         > "$out/ncu_$what.txt" 2>&1
     tail -60 "$out/ncu_$what.txt"
+    ;;
+occupancy)
+    occupancy
     ;;
 stalls)
     stalls

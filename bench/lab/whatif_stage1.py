@@ -6,8 +6,8 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
 (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``, ``gpv``,
-``scalesearly``) compute what the real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME``
-checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
+``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash bench/lab/device_session.sh
+whatif_tests NAME`` checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
 bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs outside a
 benchmark:
 
@@ -45,6 +45,10 @@ benchmark:
 * ``scalesearly``: ``radiusearly`` with the tile's scales for the radius read from shared memory before the next
   tile's copies are issued: read after them, as in ``radiusearly``, they cost the loop a fifth CTA barrier; here 4
   scale registers stay live through the softmax instead;
+* ``qshared`` (a code change; computes what the real kernel does): the certified loop reads q's MMA operands from
+  shared memory with fp16 queries and V rounded too, as the other certified loops do; the 16 registers a thread
+  this frees let it compile at a cap of 128 (four programs per SM, against three at 168) with 6 spill stores in
+  the loop instead of 20. Time it at that cap: ``bench_kernels.py --baseline-maxnreg 128``;
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
   and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
@@ -392,6 +396,13 @@ _CERTEARLY = [
     (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL + _CERTIFICATE_CALL),
 ]
 
+_QSHARED = [
+    (
+        "Q_IN_REGISTERS: gl.constexpr = not (CERTIFICATE and (V_DITHER or Q.dtype.element_ty == gl.bfloat16))",
+        "Q_IN_REGISTERS: gl.constexpr = not CERTIFICATE",
+    )
+]
+
 # gpv: the radii's g (``_g_of_radii``, 99 of the 208 instructions after PV's last MMA) computed with the radius,
 # beside PV, and passed to certificate_tile.
 _GPV = [
@@ -437,6 +448,7 @@ _EDITS = {
     "radiusearly": _replacing(_RADIUSEARLY),
     "certearly": _replacing(_CERTEARLY),
     "gpv": _replacing(_GPV),
+    "qshared": _replacing(_QSHARED),
     "scalesearly": lambda text: _replacing(_SCALESEARLY)(_replacing(_RADIUSEARLY)(text)),
 }
 _COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
