@@ -27,8 +27,9 @@ class LaunchConfig:
     gluon_min_tokens: int = 16384
     # Its tile is fixed (128 tokens, 4 warps); its register caps (with and without the certificate) decide how
     # many of its programs an SM holds (gluon_programs_per_sm) and so the default number of splits. At 168 an SM
-    # holds three, with at most a few spilled values; at 128 (four) the loop spills heavily and is slower;
-    # uncapped (two) times within a run's noise of 168.
+    # holds three, with at most a few spilled values; at 128 (four) both variants are slower, also where the loop
+    # fits (docs/KERNELS.md, "Four programs per SM"); uncapped, the certified loop (two) times within a run's noise
+    # of 168.
     gluon_maxnreg: int | None = 168
     gluon_maxnreg_nocert: int | None = 168
     # The warp-specialised form of the Gluon stage 1 (kernels/gluon_decode_ws.py) in its place, on Hopper: opt-in,
@@ -66,8 +67,9 @@ class LaunchConfig:
 
     def gluon_programs_per_sm(self, certificate: bool) -> int:
         """Gluon stage-1 programs an SM holds: 65536 registers over 128 threads at the cap; uncapped, the
-        kernel compiles to 200-255 registers (Triton 3.6-3.9), two programs. Shared memory (about 40 KB
-        per program) allows five."""
+        certified kernel compiles to 200-255 registers (Triton 3.6-3.9), two programs (taken for both variants:
+        the one without the certificate, 136 registers with Triton 3.6, would fit three). Shared memory (about
+        40 KB per program) allows five."""
         if self.gluon_ws:
             return 65536 // (256 * self.gluon_ws_maxnreg)
         cap = self.gluon_maxnreg if certificate else self.gluon_maxnreg_nocert

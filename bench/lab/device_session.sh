@@ -50,7 +50,7 @@ validate() {
     else
         echo "no .whl/: tests/test_cache_gpu.py and tests/test_aggregator_gpu.py not run (bench/e2e_wheels.sh)" >&2
     fi
-    python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    PYTHONSAFEPATH=1 python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
 }
 
 table() {
