@@ -6,8 +6,9 @@ online softmax, PV and the certificate) is ``gluon_tiles``'s, which the warp-spe
 (``gluon_decode_ws``) shares; its docstring gives the design. What this kernel adds is the memory pipeline:
 tile i + 1's K (codes, scales) and V are copied to shared memory by ``cp.async`` while tile i is computed, K's
 during tile i's softmax, PV and certificate and V's during tile i + 1's QK; the membar analysis adds four CTA
-barriers per tile. Each thread copies the code bytes it later reads (the copy and the read use one layout); the
-barriers around the copies make the scales, read by other lanes, visible.
+barriers per tile, which also make each tile's bytes, copied by other lanes than read them, visible. K's copy
+gathers whole 128-byte token rows (``K_ROWS``): an instruction reads 2 rows of the pool, where copying by channel
+group reads 32 bytes of each of 8.
 
 Compiled on the GPU only: Gluon has no interpreter, so the contract tests run it compiled on the H200; CI runs it
 in Triton's interpreter with its layouts dropped and its asm blocks emulated (``tests/gluon_emulation.py``, whose
@@ -25,7 +26,8 @@ from witcert.kernels.gluon_tiles import (
     BLOCK_N,
     GROUP_SIZE,
     HEAD_DIM,
-    K_GROUP,
+    K_ROWS,
+    K_ROWS_SHARED,
     ROW_MAJOR,
     ROW_MAJOR_2D,
     TOKEN_ROW,
@@ -80,15 +82,21 @@ def _token_base(KvIndices, kv_start, offs, hi, num_slots, NUM_KV_HEADS: gl.const
 
 
 @gluon.jit
-def _copy_k(k_tiles, KCodes, base, offs, hi, OFFSETS_64: gl.constexpr):
-    """Start copying the K codes of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to ``k_tiles``
-    (one buffer per channel group); tokens past ``hi`` are zero-filled."""
-    k_base = gl.convert_layout(base, gl.SliceLayout(2, K_GROUP))
-    live = (gl.convert_layout(offs, gl.SliceLayout(2, K_GROUP)) < hi)[:, :, None].broadcast_to(4, 32, 32)
-    chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_GROUP)))[None, None, :]
-    rows = k_base[:, :, None].to(gl.int64 if OFFSETS_64 else gl.int32) * HEAD_DIM + chan
-    for g in gl.static_range(4):
-        async_load(k_tiles[g], KCodes + rows + g * GROUP_SIZE, mask=live)
+def _copy_k(k_rows, KCodes, base, offs, hi, OFFSETS_64: gl.constexpr):
+    """Start copying the K codes of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to ``k_rows``
+    (``[group, warp, token, 32]``, ``K_ROWS_SHARED``), a token's row per half-warp; tokens past ``hi`` are
+    zero-filled."""
+    tokens_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(3, K_ROWS))
+    k_base = gl.convert_layout(base, tokens_layout)
+    live = (gl.convert_layout(offs, tokens_layout) < hi)[None, :, :, None].broadcast_to(4, 4, 32, 32)
+    group = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, K_ROWS))))
+    chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_ROWS))))
+    rows = (
+        k_base[None, :, :, None].to(gl.int64 if OFFSETS_64 else gl.int32) * HEAD_DIM
+        + group[:, None, None, None] * GROUP_SIZE
+        + chan[None, None, None, :]
+    )
+    async_load(k_rows, KCodes + rows, mask=live)
 
 
 @gluon.jit
@@ -152,13 +160,10 @@ def decode_stage1_gluon(
     # Codes in shared memory, one tile ahead: tile i + 1's K is copied while tile i's softmax, PV and
     # certificate run, and its V while tile i + 1's QK runs. Copies are committed in the order K(0), V(0),
     # K(1), V(1), ..., so waiting until one group is left in flight completes the older of the two.
-    # Separate buffers: the membar analysis would order copies into one buffer's parts by barriers.
-    k_tiles = (
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
-        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),
-    )
+    # K in one buffer, each group read through a slice; V in separate buffers: the membar analysis would order
+    # copies into one buffer's parts by barriers.
+    k_rows = gl.allocate_shared_memory(gl.uint8, [4, 4, 32, 32], K_ROWS_SHARED)
+    k_tiles = (k_rows.slice(0, 1), k_rows.slice(1, 1), k_rows.slice(2, 1), k_rows.slice(3, 1))
     v_tiles = (
         gl.allocate_shared_memory(gl.uint8, [4, 16, 64], V_SHARED),
         gl.allocate_shared_memory(gl.uint8, [4, 16, 64], V_SHARED),
@@ -179,7 +184,7 @@ def decode_stage1_gluon(
     )
     groups_vs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _V_SCALES_COPY)))[None, None, :]
     slots = gl.load(KvIndices + kv_start + gl.minimum(lo + tok_t, hi - 1))
-    _copy_k(k_tiles, KCodes, slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)
+    _copy_k(k_rows, KCodes, slot_row(slots, num_slots, NUM_KV_HEADS, kv_head), lo + tok_t, hi, OFFSETS_64)
     rows = _token_base(KvIndices, kv_start, lo + tok_ks, hi, num_slots, NUM_KV_HEADS, kv_head)
     _copy_scales(k_scales.index(0), KScales, rows, lo + tok_ks, hi, groups_ks)
     async_copy.commit_group()
@@ -212,8 +217,8 @@ def decode_stage1_gluon(
 
         async_copy.wait_group(1)  # this tile's K
         tile_scales = k_scales.index(stage)
-        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS)
-        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
+        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS, True)
+        _copy_k(k_rows, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()
         logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (

@@ -159,7 +159,7 @@ def _consume(
         k_tiles = (k_ring.index(4 * stage), k_ring.index(4 * stage + 1), k_ring.index(4 * stage + 2),
                    k_ring.index(4 * stage + 3))  # fmt: skip
         tile_scales = ks_ring.index(stage)
-        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, False)
+        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, False, False)
         logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
             softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
         )

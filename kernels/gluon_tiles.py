@@ -27,10 +27,10 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   the rest sums kept per thread over its own tokens, reduced over the lanes once per split.
 
 A kernel runs, per split: ``query_operands`` and ``loop_start``; per tile, with its codes and scales in shared
-memory (K's per channel group in ``K_GROUP``'s placement, V's in ``V_LOAD``'s, both in ``ROW_MAJOR`` /
-``V_SHARED`` buffers), ``tile_tokens``, ``qk_tile``, ``softmax_tile``, ``tile_argmax`` and ``tile_radius`` (with
-the certificate), ``pv_tokens`` on each 16-token half, ``v_dither_tile`` (a dithered V) and ``certificate_tile``; then
-``store_split``.
+memory (K's in one ``K_ROWS_SHARED`` buffer or one ``ROW_MAJOR`` buffer per channel group, read in ``K_GROUP``'s
+placement; V's in ``V_LOAD``'s, in ``V_SHARED`` buffers), ``tile_tokens``, ``qk_tile``, ``softmax_tile``,
+``tile_argmax`` and ``tile_radius`` (with the certificate), ``pv_tokens`` on each 16-token half, ``v_dither_tile``
+(a dithered V) and ``certificate_tile``; then ``store_split``.
 
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
 and start from ``sum(q_g alpha_g)``, so that they compute the negated logit part ``-q_g . (code_g - alpha_g)`` up
@@ -101,6 +101,39 @@ K_GROUP = gl.constexpr(
         warp_bases=[[1, 0, 0], [2, 0, 0]],
         block_bases=[],
         shape=[4, 32, 32],
+    )
+)
+# K codes of a tile as gluon_decode copies them, [group, warp, token, 32 channels]: the 16 lanes of a half-warp
+# copy one token's whole 128-byte row, 8 bytes each, so that an instruction gathers 2 rows from the pool. Copied by
+# group, 32 bytes of each of 8 tokens, it gathers 8 rows: 4 times the L1 wavefronts (docs/KERNELS.md).
+K_ROWS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0], [0, 0, 16, 0]],
+        lane_bases=[[0, 0, 0, 8], [0, 0, 0, 16], [1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0]],
+        warp_bases=[[0, 1, 0, 0], [0, 2, 0, 0]],
+        block_bases=[],
+        shape=[4, 4, 32, 32],
+    )
+)
+# Their buffer: a token's row of 128 bytes with group g at 32-byte place g ^ (t % 4), so that the copy's writes (2
+# rows) and QK's reads of one group (8 tokens) each spread over all the banks.
+K_ROWS_SHARED = gl.constexpr(
+    gl.SharedLinearLayout(
+        offset_bases=[
+            [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8], [0, 0, 0, 16], [1, 0, 0, 0], [2, 0, 0, 0],
+            [1, 0, 1, 0], [2, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0], [0, 0, 16, 0], [0, 1, 0, 0], [0, 2, 0, 0],
+        ]
+    )
+)  # fmt: skip
+# K_GROUP as the load of one group's [1, warp, token, 32] slice of that buffer (Triton 3.6 views a linear shared
+# layout by slices only, not by index or reshape).
+_K_GROUP_SLICE = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 8, 0], [0, 0, 16, 0]],
+        lane_bases=[[0, 0, 0, 8], [0, 0, 0, 16], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+        warp_bases=[[0, 1, 0, 0], [0, 2, 0, 0]],
+        block_bases=[],
+        shape=[1, 4, 32, 32],
     )
 )
 # V codes of 16 tokens per warp and half the channels, [warp, token, 64], as copied: index c is channel
@@ -191,10 +224,10 @@ _RADIUS_SCALES = gl.constexpr(
 # q^T of one group, [warp (broadcast), 32 channels, 8 heads], as loaded (then relabelled like K).
 _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 4, 8], [4, 1, 1], [2, 1, 0]))
 _NORMS_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-# The tile's codes and scales wait in shared memory, where a kernel's asynchronous copies put them. K codes, one
-# buffer per group: [warp, token, 32 channels], row-major, so the 8 lanes of one token row
-# read 32 contiguous bytes, four rows 128. V: [warp, token, 64] with the offset bits ordered so that the
-# 16 lanes of a half-warp (tokens 2, 4; channels 8, 16) read 128 contiguous bytes.
+# The tile's codes and scales wait in shared memory, where a kernel's asynchronous copies put them. K codes:
+# K_ROWS_SHARED (gluon_decode), or one buffer per group, [warp, token, 32 channels], row-major, so that the 4 lanes
+# of one token row read 32 contiguous bytes (gluon_decode_ws). V: [warp, token, 64] with the offset bits ordered so
+# that the 16 lanes of a half-warp (tokens 2, 4; channels 8, 16) read 128 contiguous bytes.
 ROW_MAJOR = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
 ROW_MAJOR_2D = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 # K scales of a tile, [token (32 warp + t), group], read with the tokens placed as in the logits' rows and
@@ -619,11 +652,17 @@ def _dither_sums(sums, weights, v_scales, beta, rest_alpha):
 
 
 @gluon.jit
-def _qk_group(logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr, Q_IN_REGISTERS: gl.constexpr):
+def _qk_group(
+    logits, k_tiles, scale, q_ops, q_alpha_sums, g: gl.constexpr, Q_IN_REGISTERS: gl.constexpr,
+    K_SLICES: gl.constexpr,
+):  # fmt: skip
     """Channel group ``g`` of the tile: one MMA of ``-code`` with q, started from the dither's share
     ``sum(q_g alpha_g)`` (``q_alpha_sums``, per head), so that it computes ``-q_g . (code_g - alpha_g)``; scaled
     by ``scale`` into the negated logits (the softmax scale undoes the sign)."""
-    codes = k_tiles[g].load(K_GROUP)
+    if K_SLICES:
+        codes = gl.reshape(k_tiles[g].load(_K_GROUP_SLICE), [4, 32, 32])
+    else:
+        codes = k_tiles[g].load(K_GROUP)
     code_op = gl.convert_layout(_relabel_group(_neg_codes(codes), 2), _OP_A)
     q_alpha = q_alpha_sums.index(g).load(_HEAD_ROW)
     start = q_alpha[:, None, :].broadcast_to(4, 32, 8)
@@ -729,14 +768,15 @@ def tile_tokens(slots, in_split, slot_max, max_slot, Skip, kv_head, NUM_KV_HEADS
 
 
 @gluon.jit
-def qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS: gl.constexpr):
-    """A tile's negated logits before the softmax scale, ``[warp, token, head]``, from its codes (the four group
-    buffers ``k_tiles``) and scales in shared memory; q's operands ``q_ops`` in registers or in shared memory
+def qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS: gl.constexpr, K_SLICES: gl.constexpr):
+    """A tile's negated logits before the softmax scale, ``[warp, token, head]``, from its codes (``k_tiles``: the
+    four groups' ``[1, warp, token, 32]`` slices of a ``K_ROWS_SHARED`` buffer where ``K_SLICES``, else four group
+    buffers) and scales in shared memory; q's operands ``q_ops`` in registers or in shared memory
     (``Q_IN_REGISTERS``, as ``query_operands`` made them)."""
     group_scales = _k_group_scales(tile_scales)
     logits = gl.zeros([4, 32, 8], gl.float32, _MMA)
     for g in gl.static_range(4):
-        logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g, Q_IN_REGISTERS)
+        logits = _qk_group(logits, k_tiles, group_scales[g], q_ops, q_alpha_sums, g, Q_IN_REGISTERS, K_SLICES)
     return logits
 
 

@@ -2,7 +2,8 @@
 
 Gluon has no interpreter: CI runs its algorithm emulated in Triton's (``test_gluon_emulated.py``), the H200 runs it
 compiled (``pytest -m gpu``); what CI can check of the compiled kernel is its SASS: codes and scales reach shared
-memory only by asynchronous copies, one tile ahead (no register-to-shared store), the warps meet at the four
+memory only by asynchronous copies, one tile ahead (the only register-to-shared stores are 2 a tile that pass K's
+token rows from the lanes that read the slots to those that copy them), the warps meet at the four
 barriers the membar analysis puts around those copies and nowhere else, its tensor-core work is the expected count
 of ``mma.sync``, and its values fit the register cap (no spill without the certificate, a few with it). The compile
 runs in a fresh process with ``TRITON_INTERPRET=0``: this test session interprets Triton's library functions, which
@@ -41,12 +42,15 @@ def loop_opcodes(compiled) -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("certificate", [True, False], ids=["certificate", "no-certificate"])
 def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, certificate, q_dtype):
     loop = loop_opcodes[f"{q_dtype} {certificate}"]
-    assert loop.get("STS", 0) == 0, "registers are staged through shared memory in the token loop"
+    # K's copy by rows needs each token's row in the 16 lanes that copy it: a layout conversion within the warp,
+    # which Triton 3.6 and 3.9 make through shared memory (2 stores). Codes and scales are never stored from
+    # registers.
+    assert loop.get("STS", 0) <= 2, "registers are staged through shared memory in the token loop"
     # One barrier before each side's copy (the previous tile's reads are done) and one after each wait.
     assert loop.get("BAR", 0) == 4
     assert loop.get("DEPBAR", 0) == 2 and loop.get("LDGDEPBAR", 0) == 2
-    # 8-byte copies per thread and tile: K codes 4 tokens x 4 groups, V codes 2 x 2 x 4, and one token's
-    # scales per lane for K and for V.
+    # 8-byte copies per thread and tile: K codes 16 tokens (a half-warp copies a token's row), V codes 2 x 2 x 4,
+    # and one token's scales per lane for K and for V.
     assert loop.get("LDGSTS", 0) == 16 + 16 + 1 + 1
     # Only the next tile's slot indices come from global memory into registers: once for the K and V
     # codes (V's rows are K's, shuffled within the warp) and once for each side's scale copies.
@@ -66,15 +70,15 @@ def test_gluon_dithered_v_keeps_the_copies_and_mmas_of_the_token_loop(loop_opcod
     """A dithered V adds per tile one Philox call per token (one token per lane, then to the logits' rows) and the
     sums ``W_g``, ``Z_g`` over V's scales read once more (``_dither_sums``); its loop keeps V rounded's copies,
     MMAs, barriers and lack of register-to-shared stores, with one more load of slot indices (the tokens' own,
-    for the Philox counters). Spills: none without the certificate; with it, 22 (Triton 3.6) and 28 (3.9)
-    stores a tile."""
+    for the Philox counters). Spills in the loop, Triton 3.6 (the H200's) / 3.9 (CI's): none / 5 stores a tile
+    without the certificate, none / 5 with it."""
     loop = loop_opcodes[f"fp16 {certificate} vdither"]
-    assert loop.get("STS", 0) == 0, "registers are staged through shared memory in the token loop"
+    assert loop.get("STS", 0) <= 2, "registers are staged through shared memory in the token loop"
     assert loop.get("BAR", 0) == 4
     assert loop.get("LDGSTS", 0) == 16 + 16 + 1 + 1
     assert loop.get("HMMA", 0) == 64 + (8 if certificate else 0)
     assert loop.get("LDG", 0) <= 6
-    assert loop.get("STL", 0) <= (32 if certificate else 0), "the token loop spills to local memory"
+    assert loop.get("STL", 0) <= (32 if certificate else 5), "the token loop spills to local memory"
 
 
 def test_gluon_covers_pools_whose_32_bit_offsets_fit():

@@ -6,7 +6,7 @@ module that imports neither) and writes the result to ``--output``; time it agai
 ``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
 contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
 (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``, ``gpv``,
-``scalesearly``, ``qshared``, ``krows``) compute what the real kernel does, which ``bash bench/lab/device_session.sh
+``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash bench/lab/device_session.sh
 whatif_tests NAME`` checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
 bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs outside a
 benchmark:
@@ -25,9 +25,11 @@ benchmark:
 * ``qkahead`` (a code change; computes what the real kernel does): QK one tile ahead of the softmax.
   Iteration i computes tile i + 1's logits first, then tile i's softmax, PV and certificate, so that one
   tile's MMA and reduction latencies overlap the other's work (what FlashAttention-3 calls intra-warpgroup
-  pipelining); K's codes are double-buffered and its scales triple-buffered, 16 KB more shared memory;
+  pipelining); K's codes are double-buffered and its scales triple-buffered, 16 KB more shared memory. It edits
+  the four group buffers that K was copied into before its copy by rows: it applies to ``--rev b0958e7``;
 * ``pipelined``: ``qkahead`` and ``nobranch`` together: without the branch the whole iteration is one block
-  that the scheduler can interleave (tile i + 1's QK with tile i's softmax, PV with the certificate);
+  that the scheduler can interleave (tile i + 1's QK with tile i's softmax, PV with the certificate); like
+  ``qkahead``, on ``--rev b0958e7``;
 * ``threadarg`` (a code change; computes what the real kernel does, but for which of two tokens with equal
   logits is held apart, each choice a sound certificate): each thread holds apart its own running argmax
   among its four tokens per tile, so the loop's certificate needs no lane exchange (the real kernel finds
@@ -49,11 +51,6 @@ benchmark:
   shared memory with fp16 queries and V rounded too, as the other certified loops do; the 16 registers a thread
   this frees let it compile at a cap of 128 (four programs per SM, against three at 168) with 6 spill stores in
   the loop instead of 20. Time it at that cap: ``bench_kernels.py --baseline-maxnreg 128``;
-* ``krows`` (a code change; computes what the real kernel does): K's copy gathers whole 128-byte token rows,
-  2 per instruction, where the kernel's gathers one group's 32 bytes of 8 tokens (8 lines per 256 bytes, 7.86 L1
-  wavefronts against 2 ideal, in ``ncu``). The four group buffers become one, ``[group, warp, token, 32]``, with
-  each row's four 32-byte places rotated by the token's low two bits, so that the copy's writes and QK's reads of a
-  group still spread over every bank;
 * ``copyonly`` (computes nothing): the loop keeps its slot reads, copies and waits and drops QK, softmax,
   PV and the certificate. Its time is the memory side of the kernel alone, with the same gather, pipeline
   and occupancy; against ``bench_kernels.py --resident-slots`` (the full kernel with its reads served by the
@@ -159,8 +156,8 @@ _NOBRANCH = [
 # Spans of the token loop that copyonly drops: (first line dropped, first line kept after, replacement).
 _COPYONLY_SPANS = [
     (
-        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS)\n",
-        "        _copy_k(k_tiles, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n",
+        "        logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS, True)\n",
+        "        _copy_k(k_rows, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)\n",
         "",
     ),
     (
@@ -408,74 +405,6 @@ _QSHARED = [
     )
 ]
 
-# krows: K's copy by whole token rows into one buffer whose layout rotates each row's groups.
-_KROWS_LAYOUTS = """# K codes as copied, [group, warp, token, 32 channels]: a half-warp copies one token's row.
-K_ROWS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0], [0, 0, 16, 0]],
-        lane_bases=[[0, 0, 0, 8], [0, 0, 0, 16], [1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0]],
-        warp_bases=[[0, 1, 0, 0], [0, 2, 0, 0]],
-        block_bases=[],
-        shape=[4, 4, 32, 32],
-    )
-)
-# Their buffer: group g of token t at 32-byte place g ^ (t % 4) of the token's row.
-K_ROWS_SHARED = gl.constexpr(
-    gl.SharedLinearLayout(
-        offset_bases=[
-            [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8], [0, 0, 0, 16], [1, 0, 0, 0], [2, 0, 0, 0],
-            [1, 0, 1, 0], [2, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0], [0, 0, 16, 0], [0, 1, 0, 0], [0, 2, 0, 0],
-        ]
-    )
-)
-# K_GROUP as the load of one group's [1, warp, token, 32] slice of that buffer.
-K_GROUP_VIEW = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 8, 0], [0, 0, 16, 0]],
-        lane_bases=[[0, 0, 0, 8], [0, 0, 0, 16], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
-        warp_bases=[[0, 1, 0, 0], [0, 2, 0, 0]],
-        block_bases=[],
-        shape=[1, 4, 32, 32],
-    )
-)
-"""
-_KROWS_COPY = """@gluon.jit
-def _copy_k(k_rows, KCodes, base, offs, hi, OFFSETS_64: gl.constexpr):
-    \"\"\"Start copying the K codes of one tile's tokens (``base``, ``offs``: ``[warp, token]``) to ``k_rows``
-    (``[group, warp, token, 32]``); tokens past ``hi`` are zero-filled.\"\"\"
-    tokens_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(3, K_ROWS))
-    k_base = gl.convert_layout(base, tokens_layout)
-    live = (gl.convert_layout(offs, tokens_layout) < hi)[None, :, :, None].broadcast_to(4, 4, 32, 32)
-    group = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, K_ROWS))))
-    chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_ROWS))))
-    rows = (
-        k_base[None, :, :, None].to(gl.int64 if OFFSETS_64 else gl.int32) * HEAD_DIM
-        + group[:, None, None, None] * GROUP_SIZE
-        + chan[None, None, None, :]
-    )
-    async_load(k_rows, KCodes + rows, mask=live)
-
-
-"""
-_KROWS_SPANS = [
-    ("@gluon.jit\ndef _copy_k(", "@gluon.jit\ndef _copy_scales(", _KROWS_COPY),
-    (
-        "    k_tiles = (\n        gl.allocate_shared_memory(gl.uint8, [4, 32, 32], ROW_MAJOR),",
-        "    v_tiles = (",
-        "    k_rows = gl.allocate_shared_memory(gl.uint8, [4, 4, 32, 32], K_ROWS_SHARED)\n"
-        "    k_tiles = (k_rows.slice(0, 1), k_rows.slice(1, 1), k_rows.slice(2, 1), k_rows.slice(3, 1))\n",
-    ),
-]
-_KROWS = [
-    (
-        "# V codes of 16 tokens per warp and half the channels",
-        _KROWS_LAYOUTS + "# V codes of 16 tokens per warp and half the channels",
-    ),
-    ("    codes = k_tiles[g].load(K_GROUP)", "    codes = gl.reshape(k_tiles[g].load(K_GROUP_VIEW), [4, 32, 32])"),
-    ("    _copy_k(k_tiles, KCodes, slot_row(", "    _copy_k(k_rows, KCodes, slot_row("),
-    ("        _copy_k(k_tiles, KCodes, next_base,", "        _copy_k(k_rows, KCodes, next_base,"),
-]
-
 # gpv: the radii's g (``_g_of_radii``, 99 of the 208 instructions after PV's last MMA) computed with the radius,
 # beside PV, and passed to certificate_tile.
 _GPV = [
@@ -522,7 +451,6 @@ _EDITS = {
     "certearly": _replacing(_CERTEARLY),
     "gpv": _replacing(_GPV),
     "qshared": _replacing(_QSHARED),
-    "krows": lambda text: _replacing(_KROWS)(_replacing_spans(_KROWS_SPANS)(text)),
     "scalesearly": lambda text: _replacing(_SCALESEARLY)(_replacing(_RADIUSEARLY)(text)),
 }
 _COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
