@@ -125,17 +125,29 @@ K_ROWS_SHARED = gl.constexpr(
         ]
     )
 )  # fmt: skip
+
+
+def _with_unit_dim(layout: gl.constexpr) -> gl.constexpr:
+    """``layout`` (a ``DistributedLinearLayout``) with a leading dimension of size 1 that no element moves along."""
+    inner = layout.value
+
+    def lead(bases: list[list[int]]) -> list[list[int]]:
+        return [[0, *basis] for basis in bases]
+
+    return gl.constexpr(
+        gl.DistributedLinearLayout(
+            reg_bases=lead(inner.reg_bases),
+            lane_bases=lead(inner.lane_bases),
+            warp_bases=lead(inner.warp_bases),
+            block_bases=lead(inner.block_bases),
+            shape=[1, *inner.shape],
+        )
+    )
+
+
 # K_GROUP as the load of one group's [1, warp, token, 32] slice of that buffer (Triton 3.6 views a linear shared
 # layout by slices only, not by index or reshape).
-_K_GROUP_SLICE = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 8, 0], [0, 0, 16, 0]],
-        lane_bases=[[0, 0, 0, 8], [0, 0, 0, 16], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
-        warp_bases=[[0, 1, 0, 0], [0, 2, 0, 0]],
-        block_bases=[],
-        shape=[1, 4, 32, 32],
-    )
-)
+_K_GROUP_SLICE = _with_unit_dim(K_GROUP)
 # V codes of 16 tokens per warp and half the channels, [warp, token, 64], as copied: index c is channel
 # 16 (c // 8) + 8 half + c % 8, so a thread copies 8 contiguous bytes per token.
 V_LOAD = gl.constexpr(

@@ -57,6 +57,16 @@ def _tensor(data: np.ndarray, dtype: tl.dtype) -> tl.tensor:
     return tl.tensor(TensorHandle(data, dtype), tl.block_type(dtype, list(data.shape)))
 
 
+def linear_coordinate(bases: list[list[int]], bits: int) -> tuple[int, ...]:
+    """The coordinate that the set bits of ``bits`` select in a linear layout: the XOR of their ``bases`` (a
+    register, lane or warp index of a distributed layout, or a byte offset of a shared one)."""
+    coordinate = [0] * len(bases[0])
+    for i, basis in enumerate(bases):
+        if bits >> i & 1:
+            coordinate = [c ^ b for c, b in zip(coordinate, basis, strict=True)]
+    return tuple(coordinate)
+
+
 class _Shared:
     """A shared-memory buffer (or a view of one): ``index`` and ``slice`` view, ``load`` copies out."""
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import ptx_subset  # noqa: E402
-from gluon_emulation import _neg_codes, _transposed_blocks, _v_split, emulated  # noqa: E402
+from gluon_emulation import _neg_codes, _transposed_blocks, _v_split, emulated, linear_coordinate  # noqa: E402
 from kernel_cases import (  # noqa: E402
     assert_matches_oracle,
     far_token_case,
@@ -199,12 +199,8 @@ def test_v_split_ptx_matches_the_emulation_in_the_layouts_register_order():
 
 def _element(layout: object, lane: int, register: int) -> tuple[int, ...]:
     """The ``[token, head]`` a lane's register holds in a warp's part of a ``[warp, token, head]`` linear layout."""
-    coordinate = [0, 0, 0]
-    for bits, bases in ((lane, layout.lane_bases), (register, layout.reg_bases)):
-        for i, basis in enumerate(bases):
-            if bits >> i & 1:
-                coordinate = [c ^ b for c, b in zip(coordinate, basis, strict=True)]
-    return tuple(coordinate[1:])
+    by_lane, by_register = linear_coordinate(layout.lane_bases, lane), linear_coordinate(layout.reg_bases, register)
+    return tuple(a ^ b for a, b in zip(by_lane, by_register, strict=True))[1:]
 
 
 def test_transposed_blocks_movmatrix_matches_the_emulation_in_the_layouts_register_order():

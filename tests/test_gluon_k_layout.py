@@ -13,25 +13,18 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
+from gluon_emulation import linear_coordinate  # noqa: E402
+
 from witcert.kernels import gluon_tiles  # noqa: E402
 
 BANKS, BANK_BYTES = 32, 4
-
-
-def _combine(bases: list[list[int]], bits: int) -> tuple[int, ...]:
-    """The coordinate that the set bits of ``bits`` select: the XOR of their bases (a linear layout)."""
-    coordinate = [0] * len(bases[0])
-    for i, basis in enumerate(bases):
-        if bits >> i & 1:
-            coordinate = [a ^ b for a, b in zip(coordinate, basis, strict=True)]
-    return tuple(coordinate)
 
 
 @functools.cache
 def _byte_offsets() -> dict[tuple[int, ...], int]:
     """Each ``[group, warp, token, byte]`` of the buffer -> its byte offset (the inverse of the layout's map)."""
     bases = gluon_tiles.K_ROWS_SHARED.value.offset_bases
-    offsets = {_combine(bases, offset): offset for offset in range(1 << len(bases))}
+    offsets = {linear_coordinate(bases, offset): offset for offset in range(1 << len(bases))}
     assert len(offsets) == 4 * 4 * 32 * 32, "the layout is not one-to-one"
     return offsets
 
@@ -46,9 +39,9 @@ def _instructions(layout: object, vector_bits: int) -> list[list[tuple[int, ...]
         touched = []
         for lane, byte in itertools.product(range(1 << len(lanes)), range(1 << vector_bits)):
             parts = (
-                _combine(registers, byte | access << vector_bits),
-                _combine(lanes, lane),
-                _combine(warps, warp),
+                linear_coordinate(registers, byte | access << vector_bits),
+                linear_coordinate(lanes, lane),
+                linear_coordinate(warps, warp),
             )
             touched.append(tuple(a ^ b ^ c for a, b, c in zip(*parts, strict=True)))
         instructions.append(touched)

@@ -3,11 +3,11 @@
 Gluon has no interpreter: CI runs its algorithm emulated in Triton's (``test_gluon_emulated.py``), the H200 runs it
 compiled (``pytest -m gpu``); what CI can check of the compiled kernel is its SASS: codes and scales reach shared
 memory only by asynchronous copies, one tile ahead (the only register-to-shared stores are 2 a tile that pass K's
-token rows from the lanes that read the slots to those that copy them), the warps meet at the four
-barriers the membar analysis puts around those copies and nowhere else, its tensor-core work is the expected count
-of ``mma.sync``, and its values fit the register cap (no spill without the certificate, a few with it). The compile
-runs in a fresh process with ``TRITON_INTERPRET=0``: this test session interprets Triton's library functions, which
-a compiled Gluon kernel cannot call."""
+token rows from the lanes that read the slots to those that copy them), the warps meet at the four barriers the
+membar analysis puts around those copies and nowhere else, its tensor-core work is the expected count of
+``mma.sync``, and its values fit the register cap (no spill without the certificate with V rounded, a few
+otherwise). The compile runs in a fresh process with ``TRITON_INTERPRET=0``: this test session interprets Triton's
+library functions, which a compiled Gluon kernel cannot call."""
 
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
 
 @pytest.mark.parametrize("certificate", [True, False], ids=["certificate", "no-certificate"])
 def test_gluon_dithered_v_keeps_the_copies_and_mmas_of_the_token_loop(loop_opcodes, certificate):
-    """A dithered V adds per tile one Philox call per token (one token per lane, then to the logits' rows) and the
-    sums ``W_g``, ``Z_g`` over V's scales read once more (``_dither_sums``); its loop keeps V rounded's copies,
-    MMAs, barriers and lack of register-to-shared stores, with one more load of slot indices (the tokens' own,
-    for the Philox counters). Spills in the loop, Triton 3.6 (the H200's) / 3.9 (CI's): none / 5 stores a tile
+    """A dithered V adds per tile one Philox call per token (one token per lane, then to the logits' rows) and the sums
+    ``W_g``, ``Z_g`` over V's scales read once more (``_dither_sums``); its loop keeps V rounded's copies, MMAs,
+    barriers and register-to-shared stores (K's token rows only), with one more load of slot indices (the tokens'
+    own, for the Philox counters). Spills in the loop, Triton 3.6 (the H200's) / 3.9 (CI's): none / 5 stores a tile
     without the certificate, none / 5 with it."""
     loop = loop_opcodes[f"fp16 {certificate} vdither"]
     assert loop.get("STS", 0) <= 2, "registers are staged through shared memory in the token loop"
