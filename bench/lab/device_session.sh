@@ -11,6 +11,8 @@
 #   bash bench/lab/device_session.sh table           # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
 #   bash bench/lab/device_session.sh vdither         # the same with V dithered: the Gluon stage 1 against the Triton one
 #   bash bench/lab/device_session.sh memory          # the loop's copies alone, and the kernels with reads served by the L2
+#   bash bench/lab/device_session.sh shuffled        # the table's sizes with each row's slots in random order (a pool
+                                                 # after churn), the loop's copies alone beside it (about 2 minutes)
 #   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel,
 #                                                    # with DRAM and with the reads in the L2
 #                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)
@@ -34,7 +36,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="auto validate table vdither memory whatifs whatif_tests caps occupancy profile stalls full"
+stages="auto validate table vdither memory shuffled whatifs whatif_tests caps occupancy profile stalls full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -66,6 +68,14 @@ memory() {
     # Everything but DRAM: the same kernels reading 16k slots (18 MB of int8 K and V) that the L2 holds.
     python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 \
         --variants int8_nocert int8_cert --output "$out/kernels_resident.json"
+}
+
+shuffled() {
+    # Page size 1 after churn: DRAM locality lost to random slots, for the kernel and for its copies alone.
+    python3 bench/lab/whatif_stage1.py copyonly --output "$out/stage1_copyonly.py"
+    python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" --slot-order shuffled \
+        --baseline-stage1 "$out/stage1_copyonly.py" --variants sdpa_cudnn int8_nocert int8_cert base_nocert \
+        --output "$out/kernels_shuffled.json"
 }
 
 occupancy() {
@@ -117,6 +127,9 @@ vdither)
     ;;
 memory)
     memory
+    ;;
+shuffled)
+    shuffled
     ;;
 whatifs)
     [[ $# -gt 1 ]] || { echo "whatifs: name the what-ifs to time (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }
