@@ -142,8 +142,9 @@ class SassProfile:
     tail_lines: collections.Counter[tuple[str, int]]
 
 
-def profile(cubin: bytes) -> SassProfile:
-    """Disassemble ``cubin`` (Triton's own ``nvdisasm`` and ``cuobjdump``) into a ``SassProfile``."""
+def disassemble(cubin: bytes) -> tuple[list[tuple[str, str, tuple[str, int]]], dict[str, int]]:
+    """``cubin``'s instructions in order, each ``(mnemonic, operands, (source file, line))``, and its branch labels
+    (the index of the instruction each precedes), by Triton's own ``nvdisasm``."""
     instructions: list[tuple[str, str, tuple[str, int]]] = []
     labels: dict[str, int] = {}
     where = ("?", 0)
@@ -154,6 +155,12 @@ def profile(cubin: bytes) -> SassProfile:
             where = (source.group(1), int(source.group(2)))
         elif instruction := _INSTRUCTION.match(text):
             instructions.append((instruction.group(1), instruction.group(2), where))
+    return instructions, labels
+
+
+def profile(cubin: bytes) -> SassProfile:
+    """Disassemble ``cubin`` (Triton's own ``nvdisasm`` and ``cuobjdump``) into a ``SassProfile``."""
+    instructions, labels = disassemble(cubin)
     loop = (0, len(instructions))
     for position, (mnemonic, operands, _) in enumerate(instructions):
         target = re.search(r"\.(L_x_\d+)", operands) if _opcode(mnemonic) == "BRA" else None

@@ -36,7 +36,7 @@ from bench_kernels import load_stage1  # noqa: E402
 from sass import compile_cubin, profile  # noqa: E402
 
 
-def _enclosing_function(path: str, line: int) -> str:
+def enclosing_function(path: str, line: int) -> str:
     """The ``def`` a source line belongs to (the nearest one above it), or the file's name."""
     if not Path(path).exists():
         return Path(path).name
@@ -64,7 +64,7 @@ def by_function(lines: collections.Counter[tuple[str, int]]) -> collections.Coun
     """Instructions per source line summed per enclosing function."""
     functions: collections.Counter[str] = collections.Counter()
     for (path, line), n in lines.items():
-        functions[_enclosing_function(path, line)] += n
+        functions[enclosing_function(path, line)] += n
     return functions
 
 

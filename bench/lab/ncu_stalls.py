@@ -6,6 +6,13 @@ Also the share of long-scoreboard samples spent waiting to overwrite a register 
 Input: the SASS source page of an ``ncu`` report exported as CSV (``bench/lab/profile_decode.py``'s docstring
 has both commands), e.g. ``ncu -i stage1.ncu-rep --page source --csv --print-source sass > stage1_sass.csv``,
 then ``python bench/lab/ncu_stalls.py stage1_sass.csv`` (gzipped CSVs are read as they are).
+
+``--by-function {cert,nocert}`` also splits the samples by the source function they come from: the export has
+SASS without source lines, so the Gluon stage 1 (fp16 queries, V rounded, with or without the certificate) is
+compiled here, its instructions matched with the profiled ones by their longest common runs of opcodes (the profiled
+binary is specialised on its launch's arguments), and each matched sample charged to its instruction's line. The
+code must be the profiled kernel's: compile with the device's Triton (``PYTHONPATH=/tmp/t36``, ``count_sass.py``'s
+docstring), at the same commit; below 90% of the samples matched it stops.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import difflib
 import gzip
 import re
+import sys
 from pathlib import Path
 
 # An instruction's first operand, the register it writes: "@!P1 IADD3 R94, P5, ..." -> "R94".
@@ -43,7 +52,13 @@ def copy_address_waits(rows: list[dict[str, str]]) -> int:
     return samples
 
 
-def summarise(path: Path, top: int) -> str:
+def _opcode(source: str) -> str:
+    words = [w for w in source.split() if not w.startswith("@")]
+    return words[0].split(".")[0] if words else "?"
+
+
+def read_rows(path: Path) -> tuple[list[dict[str, str]], list[str]]:
+    """The export's per-instruction rows and its stall-reason columns (all samples, not the not-issued ones)."""
     opened = gzip.open(path, "rt", newline="") if path.suffix == ".gz" else path.open(newline="")
     with opened as file:
         reader = csv.reader(file)
@@ -53,11 +68,55 @@ def summarise(path: Path, top: int) -> str:
     reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
     if not rows or not reasons:
         raise SystemExit(f"{path}: no per-instruction stall columns (export with --page source --print-source sass)")
+    return rows, reasons
+
+
+def by_function(rows: list[dict[str, str]], reasons: list[str], certificate: bool, top: int) -> str:
+    """The samples per source function of the Gluon stage 1 compiled here, with each function's three largest
+    stall reasons (module docstring)."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(root / "tests"), str(Path(__file__).parent)]
+    from count_sass import enclosing_function
+    from sass import compile_cubin, disassemble
+
+    instructions, _ = disassemble(compile_cubin(kernel_name="gluon", certificate=certificate))
+    profiled = [_opcode(row["Source"]) for row in rows]
+    compiled = [mnemonic.split(".")[0] for mnemonic, _, _ in instructions]
+    # The profiled binary was specialised on its launch's arguments, so the schedules differ in places: instructions
+    # are matched by the longest common runs of opcodes, and only matched ones are charged.
+    matcher = difflib.SequenceMatcher(None, profiled, compiled, autojunk=False)
+    samples: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    total = sum(int(row[reason] or 0) for row in rows for reason in reasons) or 1
+    for block in matcher.get_matching_blocks():
+        for offset in range(block.size):
+            row, (_, _, (path, line)) = rows[block.a + offset], instructions[block.b + offset]
+            function = samples[enclosing_function(path, line)]
+            for reason in reasons:
+                function[reason] += int(row[reason] or 0)
+    matched = sum(sum(counts.values()) for counts in samples.values())
+    if matched < 0.9 * total:
+        raise SystemExit(
+            f"only {100 * matched / total:.0f}% of the samples fall on instructions matched with the SASS compiled "
+            "here: compile with the device's Triton, at the profiled commit"
+        )
+    ranked = sorted(samples.items(), key=lambda item: -sum(item[1].values()))[:top]
+    lines = [
+        f"by source function ({100 * matched / total:.0f}% of the samples matched; each function's share of all "
+        "samples and its three largest reasons, as shares of its own samples):"
+    ]
+    for name, counts in ranked:
+        own = sum(counts.values()) or 1
+        largest = ", ".join(f"{r.removeprefix('stall_')} {100 * n / own:.0f}%" for r, n in counts.most_common(3) if n)
+        lines.append(f"{name:24s} {100 * own / total:5.1f}%  {largest}")
+    return "\n".join(lines)
+
+
+def summarise(path: Path, top: int) -> str:
+    rows, reasons = read_rows(path)
     by_reason: collections.Counter[str] = collections.Counter()
     by_opcode: collections.Counter[str] = collections.Counter()
     for row in rows:
-        words = [w for w in row["Source"].split() if not w.startswith("@")]
-        opcode = words[0].split(".")[0] if words else "?"
+        opcode = _opcode(row["Source"])
         samples = int(row["Warp Stall Sampling (All Samples)"] or 0)
         by_opcode[opcode] += samples
         for reason in reasons:
@@ -74,9 +133,14 @@ def summarise(path: Path, top: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", type=Path, help="ncu --page source --csv --print-source sass output")
-    parser.add_argument("--top", type=int, default=12, help="opcodes to list")
+    parser.add_argument("--top", type=int, default=12, help="opcodes (and functions) to list")
+    parser.add_argument("--by-function", choices=["cert", "nocert"], help="also the samples per source "
+                        "function of the Gluon stage 1 profiled with or without the certificate")  # fmt: skip
     args = parser.parse_args()
     print(summarise(args.csv, args.top))
+    if args.by_function:
+        rows, reasons = read_rows(args.csv)
+        print(by_function(rows, reasons, args.by_function == "cert", args.top))
 
 
 if __name__ == "__main__":
