@@ -2,9 +2,9 @@
 # GPU runs on the device machine, in stages that each fit one call of the device tool (10 minutes at most).
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
-#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 table, then memory;
-#                                                    # on another card validate (the decode targets are set
-#                                                    # on the H200; elsewhere the tests are the better use)
+#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 table, memory, shuffled
+#                                                    # and vdither (about 5 minutes); on another card shuffled,
+#                                                    # then validate (the decode targets are set on the H200)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
 #                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
 #                                                    # aggregator GPU tests too (about 1 minute more)
@@ -60,6 +60,11 @@ table() {
         --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_table.json"
 }
 
+vdither() {
+    python3 bench/bench_kernels.py --v-dither on "${sizes[@]}" \
+        --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_vdither.json"
+}
+
 memory() {
     # Memory alone: the Gluon loop with its copies and nothing else, against the real kernel in one run.
     python3 bench/lab/whatif_stage1.py copyonly --output "$out/stage1_copyonly.py"
@@ -108,10 +113,14 @@ case "$stage" in
 auto)
     card="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
     echo "card: $card" | tee "$out/card.txt"
+    # In order of need: a call stopped at its time limit still returns what the earlier stages wrote.
     if [[ "$card" == *H200* ]]; then
         table
         memory
+        shuffled
+        vdither
     else
+        shuffled
         validate
     fi
     ;;
@@ -122,8 +131,7 @@ table)
     table
     ;;
 vdither)
-    python3 bench/bench_kernels.py --v-dither on "${sizes[@]}" \
-        --variants sdpa_cudnn int8_nocert int8_cert triton_nocert triton_cert --output "$out/kernels_vdither.json"
+    vdither
     ;;
 memory)
     memory
