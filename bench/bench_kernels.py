@@ -26,10 +26,10 @@ the H200) cannot serve them. ``--resident-slots N`` does the opposite, to split 
 and the rest: the paged variants then read N slots over and over (``kv_indices`` is ``t % N`` for token
 ``t``), which the L2 holds for N up to about 32k (1088 int8 bytes per token of 4 KV heads; 2048 for the
 fp16 kernel), so what is left is the time of the kernel's own instructions and latencies; SDPA, whose cache
-is contiguous, is not timed then. ``--slot-order shuffled`` reads each row's tokens from its slots in random order,
-as a pool's are after churn (page size 1), where ``sequential`` (the default) reads them from consecutive slots, a
-best case for DRAM locality. Bandwidth = bytes the variant must read (K and V codes, scales, indices;
-fp16 for the fp16 variants) / median time; ``copy_tbps`` is a device-to-device copy (read + write) of 2 GiB,
+is contiguous, is not timed then. ``--slot-order shuffled`` reads each row's pages of ``--page-size`` slots (default
+1) in random order, as a pool's are after churn, where ``sequential`` (the default) reads a row's tokens from
+consecutive slots, a best case for DRAM locality. Bandwidth = bytes the variant must read (K and V codes, scales,
+indices; fp16 for the fp16 variants) / median time; ``copy_tbps`` is a device-to-device copy (read + write) of 2 GiB,
 the measured ceiling. The write kernel is timed on 1M tokens against a copy of its input.
 """
 
@@ -98,7 +98,7 @@ def bench_decode(
     baseline: ModuleType | None = None,
     resident_slots: int | None = None,
     baseline_maxnreg: int | None = None,
-    shuffled: bool = False,
+    shuffled_pages: int | None = None,
 ) -> dict:
     tokens = batch * context
     fp16_bytes = tokens * KV_HEADS * HEAD_DIM * 2 * 2
@@ -106,7 +106,7 @@ def bench_decode(
     generator = torch.Generator(device="cuda").manual_seed(batch * 1000003 + context)
     row: dict = {
         "batch": batch, "context": context, "rotated_copies": copies, "resident_slots": resident_slots,
-        "slot_order": "shuffled" if shuffled else "sequential",
+        "slot_order": "sequential" if shuffled_pages is None else f"pages of {shuffled_pages} shuffled",
     }  # fmt: skip
     # Slots of the paged caches: copy i reads [i * tokens, (i + 1) * tokens), or all copies the same
     # resident_slots slots.
@@ -129,11 +129,13 @@ def bench_decode(
         names = tuple(name for name in names if name != "sdpa_cudnn")
     else:
         indices = [torch.arange(i * tokens, (i + 1) * tokens, device="cuda", dtype=torch.int32) for i in range(copies)]
-        if shuffled:
-            # A pool after churn (page size 1): each row's tokens at its slots in random order. A row keeps its
-            # own slots, so SDPA's contiguous caches below still hold the same attention.
-            order = torch.rand(batch, context, device="cuda", generator=generator).argsort(dim=1)
-            indices = [i.view(batch, context).gather(1, order).flatten() for i in indices]
+        if shuffled_pages:
+            # A pool after churn: each row's pages (runs of consecutive slots) in random order. A row keeps its own
+            # slots, so SDPA's contiguous caches below still hold the same attention.
+            pages = context // shuffled_pages
+            order = torch.rand(batch, pages, device="cuda", generator=generator).argsort(dim=1)
+            order = order[:, :, None].expand(batch, pages, shuffled_pages)
+            indices = [i.view(batch, pages, shuffled_pages).gather(1, order).flatten() for i in indices]
         # SDPA's contiguous caches: [B, H_kv, S, D] views of the same values.
         k_sdpa = [k_cache[i * tokens : (i + 1) * tokens].view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
                   .contiguous() for i in range(copies)]  # fmt: skip
@@ -297,8 +299,10 @@ def main() -> None:
     parser.add_argument("--resident-slots", type=int, metavar="N", help="the paged variants read N slots over "
                         "and over, which the L2 holds (N <= about 32k): time without DRAM; no SDPA")  # fmt: skip
     parser.add_argument("--slot-order", choices=["sequential", "shuffled"], default="sequential", help="the paged "
-                        "variants' slots: a row's tokens at consecutive slots, or at its slots in random order (a "
-                        "pool after churn, page size 1)")  # fmt: skip
+                        "variants' slots: a row's tokens at consecutive slots, or its pages (--page-size) in random "
+                        "order, as in a pool after churn")  # fmt: skip
+    parser.add_argument("--page-size", type=int, default=1, help="slots per page for --slot-order shuffled "
+                        "(default 1: every token at a random slot of its row's)")  # fmt: skip
     args = parser.parse_args()
     baseline = load_stage1(args.baseline_stage1) if args.baseline_stage1 else None
     names = tuple(args.variants or VARIANTS + (BASELINE_VARIANTS if baseline else ()))
@@ -308,6 +312,10 @@ def main() -> None:
         parser.error(f"--resident-slots must be at least 1, not {args.resident_slots}")
     if args.resident_slots is not None and args.slot_order == "shuffled":
         parser.error("--slot-order shuffled reads from DRAM: it does not combine with --resident-slots")
+    if args.page_size < 1 or any(context % args.page_size for context in args.contexts):
+        parser.error(f"--page-size must be at least 1 and divide every context, not {args.page_size}")
+    if args.page_size != 1 and args.slot_order != "shuffled":
+        parser.error("--page-size applies to --slot-order shuffled")
     if args.baseline_maxnreg is not None and (baseline is None or not 24 <= args.baseline_maxnreg <= 255):
         parser.error("--baseline-maxnreg needs --baseline-stage1 and a cap from 24 to 255 registers")
     delta = reference.delta_step(28, Q_HEADS)
@@ -321,6 +329,7 @@ def main() -> None:
         "baseline_maxnreg": args.baseline_maxnreg,
         "resident_slots": args.resident_slots,
         "slot_order": args.slot_order,
+        "page_size": args.page_size,
         "decode": [],
     }
     if "fp16_kernel" in names:
@@ -337,7 +346,7 @@ def main() -> None:
                 row = bench_decode(
                     batch, context, v_dither, delta, names=names, dtype=dtype, baseline=baseline,
                     resident_slots=args.resident_slots, baseline_maxnreg=args.baseline_maxnreg,
-                    shuffled=args.slot_order == "shuffled",
+                    shuffled_pages=args.page_size if args.slot_order == "shuffled" else None,
                 )  # fmt: skip
                 row["v_dither"] = v_dither
                 row["dtype"] = args.dtype

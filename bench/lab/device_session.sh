@@ -11,8 +11,9 @@
 #   bash bench/lab/device_session.sh table           # int8 against cuDNN at B = 32, 8 and S = 16k, 64k (about 4 minutes)
 #   bash bench/lab/device_session.sh vdither         # the same with V dithered: the Gluon stage 1 against the Triton one
 #   bash bench/lab/device_session.sh memory          # the loop's copies alone, and the kernels with reads served by the L2
-#   bash bench/lab/device_session.sh shuffled        # the table's sizes with each row's slots in random order (a pool
-                                                 # after churn), the loop's copies alone beside it (about 2 minutes)
+#   bash bench/lab/device_session.sh shuffled        # the table's sizes with each row's pages of 1, then 16 slots in
+                                                 # random order (a pool after churn), the loop's copies alone beside
+                                                 # it (about 3 minutes)
 #   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel,
 #                                                    # with DRAM and with the reads in the L2
 #                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)
@@ -76,11 +77,15 @@ memory() {
 }
 
 shuffled() {
-    # Page size 1 after churn: DRAM locality lost to random slots, for the kernel and for its copies alone.
+    # A pool after churn, pages of 1 and 16 slots: DRAM locality lost to random slots, for the kernel and for its
+    # copies alone.
     python3 bench/lab/whatif_stage1.py copyonly --output "$out/stage1_copyonly.py"
-    python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" --slot-order shuffled \
-        --baseline-stage1 "$out/stage1_copyonly.py" --variants sdpa_cudnn int8_nocert int8_cert base_nocert \
-        --output "$out/kernels_shuffled.json"
+    local page
+    for page in 1 16; do
+        python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" --slot-order shuffled --page-size "$page" \
+            --baseline-stage1 "$out/stage1_copyonly.py" --variants sdpa_cudnn int8_nocert int8_cert base_nocert \
+            --output "$out/kernels_shuffled_page$page.json"
+    done
 }
 
 occupancy() {
