@@ -111,8 +111,8 @@ def by_function(rows: list[dict[str, str]], reasons: list[str], certificate: boo
     return "\n".join(lines)
 
 
-def summarise(path: Path, top: int) -> str:
-    rows, reasons = read_rows(path)
+def summarise(rows: list[dict[str, str]], reasons: list[str], top: int) -> str:
+    """The samples' shares per stall reason and per opcode, and the copy-address waits."""
     by_reason: collections.Counter[str] = collections.Counter()
     by_opcode: collections.Counter[str] = collections.Counter()
     for row in rows:
@@ -137,9 +137,9 @@ def main() -> None:
     parser.add_argument("--by-function", choices=["cert", "nocert"], help="also the samples per source "
                         "function of the Gluon stage 1 profiled with or without the certificate")  # fmt: skip
     args = parser.parse_args()
-    print(summarise(args.csv, args.top))
+    rows, reasons = read_rows(args.csv)
+    print(summarise(rows, reasons, args.top))
     if args.by_function:
-        rows, reasons = read_rows(args.csv)
         print(by_function(rows, reasons, args.by_function == "cert", args.top))
 
 
