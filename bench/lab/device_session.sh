@@ -2,9 +2,10 @@
 # GPU runs on the device machine, in stages that each fit one call of the device tool (10 minutes at most).
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
-#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 table, memory, shuffled
-#                                                    # and vdither (about 5 minutes); on another card shuffled,
-#                                                    # then validate (the decode targets are set on the H200)
+#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 ws_session.sh's table and
+#                                                    # lab, then the what-ifs halfpv and all (about 10 minutes); on
+#                                                    # another card shuffled, then validate (the decode targets
+#                                                    # are set on the H200)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
 #                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
 #                                                    # aggregator GPU tests too (about 1 minute more)
@@ -88,6 +89,18 @@ shuffled() {
     done
 }
 
+whatifs() {
+    local name
+    for name in "$@"; do
+        python3 bench/lab/whatif_stage1.py "$name" --output "$out/stage1_$name.py"
+        python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
+            --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert --output "$out/whatif_$name.json"
+        # With the reads in the L2, where the kernel's own instructions set its pace (the H200's case).
+        python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
+            --resident-slots 16384 --variants int8_cert base_cert --output "$out/whatif_${name}_resident.json"
+    done
+}
+
 occupancy() {
     python3 bench/lab/whatif_stage1.py qshared --output "$out/stage1_qshared.py"
     local paired=(--baseline-stage1 "$out/stage1_qshared.py" --baseline-maxnreg 128
@@ -120,10 +133,10 @@ auto)
     echo "card: $card" | tee "$out/card.txt"
     # In order of need: a call stopped at its time limit still returns what the earlier stages wrote.
     if [[ "$card" == *H200* ]]; then
-        table
-        memory
-        shuffled
-        vdither
+        # What the H200 has not measured yet: the warp-specialised kernel beside the Gluon one (paired), the copy
+        # mechanisms, then what the output's and the radius' contracts cost (halfpv, all) on the current loop.
+        OUT="$out" bash bench/lab/ws_session.sh table lab
+        whatifs halfpv all
     else
         shuffled
         validate
@@ -146,14 +159,7 @@ shuffled)
     ;;
 whatifs)
     [[ $# -gt 1 ]] || { echo "whatifs: name the what-ifs to time (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }
-    for name in "${@:2}"; do
-        python3 bench/lab/whatif_stage1.py "$name" --output "$out/stage1_$name.py"
-        python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
-            --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert --output "$out/whatif_$name.json"
-        # With the reads in the L2, where the kernel's own instructions set its pace (the H200's case).
-        python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
-            --resident-slots 16384 --variants int8_cert base_cert --output "$out/whatif_${name}_resident.json"
-    done
+    whatifs "${@:2}"
     ;;
 whatif_tests)
     [[ $# -eq 2 ]] || { echo "whatif_tests: name one what-if (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }
