@@ -13,8 +13,8 @@
 #   bash bench/lab/device_session.sh vdither         # the same with V dithered: the Gluon stage 1 against the Triton one
 #   bash bench/lab/device_session.sh memory          # the loop's copies alone, and the kernels with reads served by the L2
 #   bash bench/lab/device_session.sh shuffled        # the table's sizes with each row's pages of 1, then 16 slots in
-                                                 # random order (a pool after churn), the loop's copies alone beside
-                                                 # it (about 3 minutes)
+#                                                    # random order (a pool after churn), the loop's copies alone
+#                                                    # beside it (about 3 minutes)
 #   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel,
 #                                                    # with DRAM and with the reads in the L2
 #                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)

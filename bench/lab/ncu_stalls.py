@@ -53,6 +53,7 @@ def copy_address_waits(rows: list[dict[str, str]]) -> int:
 
 
 def _opcode(source: str) -> str:
+    """An instruction's opcode without its predicate and modifiers: ``@!P1 HMMA.16816.F32 ...`` -> ``HMMA``."""
     words = [w for w in source.split() if not w.startswith("@")]
     return words[0].split(".")[0] if words else "?"
 
@@ -81,7 +82,7 @@ def by_function(rows: list[dict[str, str]], reasons: list[str], certificate: boo
 
     instructions, _ = disassemble(compile_cubin(kernel_name="gluon", certificate=certificate))
     profiled = [_opcode(row["Source"]) for row in rows]
-    compiled = [mnemonic.split(".")[0] for mnemonic, _, _ in instructions]
+    compiled = [_opcode(mnemonic) for mnemonic, _, _ in instructions]
     # The profiled binary was specialised on its launch's arguments, so the schedules differ in places: instructions
     # are matched by the longest common runs of opcodes, and only matched ones are charged.
     matcher = difflib.SequenceMatcher(None, profiled, compiled, autojunk=False)
