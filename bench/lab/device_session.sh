@@ -3,7 +3,7 @@
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
 #   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 ws_session.sh's table and
-#                                                    # lab, then the what-ifs halfpv and all (about 10 minutes); on
+#                                                    # lab, then the what-ifs halfpv, all, blockradius (about 10 minutes); on
 #                                                    # another card shuffled, then validate (the decode targets
 #                                                    # are set on the H200)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
@@ -134,9 +134,9 @@ auto)
     # In order of need: a call stopped at its time limit still returns what the earlier stages wrote.
     if [[ "$card" == *H200* ]]; then
         # What the H200 has not measured yet: the warp-specialised kernel beside the Gluon one (paired), the copy
-        # mechanisms, then what the output's and the radius' contracts cost (halfpv, all) on the current loop.
+        # mechanisms, then what the output's and the radius' contracts cost (halfpv, all, blockradius) on the current loop.
         OUT="$out" bash bench/lab/ws_session.sh table lab
-        whatifs halfpv all
+        whatifs halfpv all blockradius
     else
         shuffled
         validate
