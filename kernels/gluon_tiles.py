@@ -15,8 +15,8 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
 * **PV** runs as ``out^T [channels, heads] = V^T [channels, tokens] x p^T`` in halves of 16 tokens and
   64 channels: ldmatrix's transposed form reads V's codes as 16-bit pairs of channels, so that each register
   holds one pair of tokens t and t + 1, the pairing an ``f16x2`` operand needs; one asm block per two tokens of
-  two groups expands the bytes by ``prmt`` and scales them into the exact ``v_hi + v_lo``, and the output
-  channels are relabelled (undone at the store).
+  two groups expands the bytes by ``prmt`` and scales them into ``s * code``, exact in fp16 (V's scales have 4
+  significant bits), and the output channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max, sums and output
   accumulator; the four are merged once per split, with the same algebra as the split merge of stage 2. q's
   operands stay in registers where the loop has room for them; its dither offsets and the radius operands wait in
@@ -35,8 +35,8 @@ placement; V's in ``V_LOAD``'s, in ``V_SHARED`` buffers), ``tile_tokens``, ``qk_
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
 and start from ``sum(q_g alpha_g)``, so that they compute the negated logit part ``-q_g . (code_g - alpha_g)`` up
 to float32 sums (``_neg_codes``); the softmax scale is negated to match, and the loop keeps
-logits in base-2 units (one ``ex2`` per weight). The output uses the exact ``v_hi +
-v_lo`` split of ``s * code`` with ``2**14 p`` split into ``p_hi + p_mid``. The outputs are the stage-1
+logits in base-2 units (one ``ex2`` per weight). The output takes ``s * code``, exact in fp16, against ``2**14 p``
+split into ``p_hi + p_mid``. The outputs are the stage-1
 partials of the Triton kernel, so its stage 2 merges them. Supported: fp16 and bf16 queries (bf16 scaled per
 head into fp16, ``_q_scale``), head_dim 128, channel groups of 32, 8-bit dithers, V rounded to nearest or
 dithered (``V_DITHER``: the output less ``alpha_c W_g + Z_g``, ``_dither_sums``), no
@@ -495,17 +495,15 @@ def _neg_codes(codes):
 
 
 def _v_split_asm() -> str:
-    """PTX of ``_v_split``: for the pack's group ``g`` = 0, then 1, the tokens' scales paired from their words ``$10,
-    $11`` (low halves for group 0, high for 1), and the bytes of codes register ``$8 + g`` expanded, scaled and split
-    into ``hi`` (outputs ``$0 + g`` even, ``$2 + g`` odd) and ``lo`` (``$4 + g``, ``$6 + g``)."""
+    """PTX of ``_v_split``: for the pack's group ``g`` = 0, then 1, the tokens' scales paired from their words ``$6,
+    $7`` (low halves for group 0, high for 1), and the bytes of codes register ``$4 + g`` expanded into ``1152 +
+    code``, less 1152, times the scale: ``s * code`` (outputs ``$0 + g`` even, ``$2 + g`` odd)."""
     groups = "".join(
-        f"prmt.b32 s, $10, $11, {selector};\n"
-        f"prmt.b32 even, ${8 + g}, 0x64646464, 0x4240;\n"
-        f"prmt.b32 odd, ${8 + g}, 0x64646464, 0x4341;\n"
+        f"prmt.b32 s, $6, $7, {selector};\n"
+        f"prmt.b32 even, ${4 + g}, 0x64646464, 0x4240;\n"
+        f"prmt.b32 odd, ${4 + g}, 0x64646464, 0x4341;\n"
         "add.rn.f16x2 even, even, offset;\nadd.rn.f16x2 odd, odd, offset;\n"
         f"mul.rn.f16x2 ${g}, even, s;\nmul.rn.f16x2 ${2 + g}, odd, s;\n"
-        f"neg.f16x2 ${4 + g}, ${g};\nfma.rn.f16x2 ${4 + g}, even, s, ${4 + g};\n"
-        f"neg.f16x2 ${6 + g}, ${2 + g};\nfma.rn.f16x2 ${6 + g}, odd, s, ${6 + g};\n"
         for g, selector in ((0, "0x5410"), (1, "0x7632"))
     )
     return "{\n.reg .b32 even, odd, offset, s;\nmov.b32 offset, 0xE480E480;\n" + groups + "}"
@@ -518,18 +516,19 @@ _V_SPLIT_ASM = gl.constexpr(_v_split_asm())
 def _v_split(pairs, words):
     """Two tokens t, t + 1 of two groups' index pairs (``_V_FRAGMENT``'s registers: pair j of both tokens, token
     t in the low half, for group 2 w and then 2 w + 1) and the tokens' scale words (``_V_WORDS5``: token t's and
-    t + 1's groups 2 w, 2 w + 1) -> ``(hi_even, hi_odd, lo_even, lo_odd)``, ``f16x2`` words (token t, token t + 1)
-    with ``hi + lo = s * code`` exactly for index 2 j (even) and 2 j + 1 (odd).
+    t + 1's groups 2 w, 2 w + 1) -> ``(even, odd)``, ``f16x2`` words (token t, token t + 1) of ``s * code`` for
+    index 2 j (even) and 2 j + 1 (odd).
 
     One ``prmt`` a channel puts the two tokens' bytes under the fp16 exponent byte 0x64 (``1152 + code``,
-    ``_neg_codes``), one a group pairs the tokens' scales; ``hi = fp16(s code)`` and the fma's remainder are
-    exact: the product has at most 19 significant bits on the 2**-24 grid.
+    ``_neg_codes``) and one subtraction takes 1152 off (exact); one ``prmt`` a group pairs the tokens' scales.
+    The product is exact: V's scales have 4 significant bits and a code at most 7, so ``s * code`` has at most 11
+    on the 2**-24 grid (``reference.V_SCALE_SIGNIFICANT_BITS``).
     """
     return gl.inline_asm_elementwise(
         _V_SPLIT_ASM,
-        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+        "=r,=r,=r,=r,r,r,r,r,r,r",
         [pairs, words],
-        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        dtype=(gl.float16, gl.float16),
         is_pure=True,
         pack=4,
     )
@@ -614,8 +613,8 @@ def _by_group(scales):
 def pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
     """``acc += V^T p^T`` over 16 tokens per warp (``v_tiles``: their codes, the two channel halves;
     ``v_scales``: their scales), the channels in two halves (``acc0``: channels with bit 3 clear, ``acc1``:
-    set), V as ``v_hi + v_lo`` and ``2**14 p`` as ``p_hi + p_mid``: three fp16 MMAs per half. The codes are read
-    by ldmatrix's transposed form (``_V_FRAGMENT``), which pairs the tokens."""
+    set), V as ``s * code`` (exact in fp16) and ``2**14 p`` as ``p_hi + p_mid``: two fp16 MMAs per half. The codes
+    are read by ldmatrix's transposed form (``_V_FRAGMENT``), which pairs the tokens."""
     words = v_scales.reinterpret(gl.int32, [4, 16, 2], ROW_MAJOR).load(_V_WORDS)
     words = gl.reshape(words[:, :, :, None, None].broadcast_to(4, 16, 2, 2, 8), [4, 16, 32])
     words = gl.convert_layout(words, _V_FRAGMENT)
@@ -626,17 +625,14 @@ def pv_tokens(acc0, acc1, weights, v_tiles, v_scales):
     p_mid = _p_operand(p_mid)
     for half in gl.static_range(2):
         pairs = v_tiles[half].reinterpret(gl.int16, [4, 16, 32], V_PAIRS_SHARED).load(_V_FRAGMENT)
-        hi_even, hi_odd, lo_even, lo_odd = _v_split(pairs, words)
-        v_hi = _v_operand(hi_even, hi_odd)
-        v_lo = _v_operand(lo_even, lo_odd)
+        even, odd = _v_split(pairs, words)
+        v = _v_operand(even, odd)
         if half == 0:
-            acc0 = mma_v2(v_hi, p_hi, acc0)
-            acc0 = mma_v2(v_lo, p_hi, acc0)
-            acc0 = mma_v2(v_hi, p_mid, acc0)
+            acc0 = mma_v2(v, p_hi, acc0)
+            acc0 = mma_v2(v, p_mid, acc0)
         else:
-            acc1 = mma_v2(v_hi, p_hi, acc1)
-            acc1 = mma_v2(v_lo, p_hi, acc1)
-            acc1 = mma_v2(v_hi, p_mid, acc1)
+            acc1 = mma_v2(v, p_hi, acc1)
+            acc1 = mma_v2(v, p_mid, acc1)
     return acc0, acc1
 
 

@@ -223,8 +223,11 @@ class KVPool:
                 if not bool(torch.isfinite(x).all()):
                     raise ValueError(f"{name} contains NaN or inf: a quantized cache cannot represent it")
                 largest = float(x.abs().max())
-                if largest / reference.SCALE_DIVISOR > torch.finfo(torch.float16).max:
-                    raise ValueError(f"|{name}| exceeds what an fp16 group scale can cover (max about 8.28e6)")
+                if largest > reference.largest_amax(name):
+                    raise ValueError(
+                        f"|{name}| exceeds what a group scale of {name.upper()} can cover "
+                        f"(max {reference.largest_amax(name):.6g})"
+                    )
                 if name == "v" and not self.v_dither and largest > NEAREST_V_MAX:
                     raise ValueError(
                         f"|v| reaches {largest:.4g}: a V rounded to nearest is decoded through fp16 products "

@@ -247,12 +247,23 @@ QMAX = 127
 SCALE_DIVISOR = QMAX - 0.5  # |x / s| <= 126.5 keeps round(x / s + xi) inside [-127, 127]
 
 
-def fp16_scale_rounded_up(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest fp16 ``s`` with ``s * 126.5 >= amax`` (exactly), as stored.
+# V's scales keep 4 significant bits (the fp16 value's 7 low significand bits zero): then ``s * code`` for a code
+# of at most 7 bits has at most 11 significant bits and is exact in fp16, so the decode kernel takes V as one fp16
+# operand. K's keep all 11: the certificate's radius is proportional to K's scales.
+V_SCALE_SIGNIFICANT_BITS = 4
+_FP16_SIGNIFICAND_BITS = 11
+
+
+def fp16_scale_rounded_up(amax: torch.Tensor, significant_bits: int = _FP16_SIGNIFICAND_BITS) -> torch.Tensor:
+    """The smallest fp16 ``s`` with at most ``significant_bits`` significant bits and ``s * 126.5 >= amax``
+    (exactly), as stored.
 
     ``amax / 126.5`` is rounded to fp16 and then stepped up while it is too small. ``s * 126.5`` is
-    exact in float32 (11 + 8 significant bits), so the comparison is exact.
+    exact in float32 (11 + 8 significant bits), so the comparison is exact. Fewer significant bits round that
+    fp16 value up to the next value that has them (subnormal ones too); 0, inf and NaN stay as they are.
     """
+    if not 1 <= significant_bits <= _FP16_SIGNIFICAND_BITS:
+        raise ValueError(f"significant_bits must be in [1, 11], got {significant_bits}")
     amax = amax.to(torch.float32)
     scale = (amax / SCALE_DIVISOR).to(torch.float16)
     for _ in range(3):  # at most one step is needed; three make it robust to double rounding
@@ -260,7 +271,28 @@ def fp16_scale_rounded_up(amax: torch.Tensor) -> torch.Tensor:
         if not bool(too_small.any()):
             break
         scale = torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    if significant_bits < _FP16_SIGNIFICAND_BITS:
+        # In float32, where every fp16 value is normal: the next multiple of the coarser step in the bits (which
+        # carries into the exponent). The result has at most ``significant_bits`` bits and is a multiple of
+        # 2**-24 at least (it rounds up a value that is one), so it converts back to fp16 exactly.
+        step = 1 << (24 - significant_bits)
+        bits = scale.to(torch.float32).view(torch.int32)
+        coarse = ((bits + step - 1) & ~(step - 1)).view(torch.float32).to(torch.float16)
+        scale = torch.where(torch.isfinite(scale), coarse, scale)
     return scale
+
+
+def largest_amax(kind: Kind) -> float:
+    """The largest group amax a stored scale of side ``kind`` covers: ``126.5`` times the largest fp16 value with
+    that side's significant bits (65504 for K, 61440 for V; both products exact in float32)."""
+    return (61440.0 if scale_significant_bits(kind) == V_SCALE_SIGNIFICANT_BITS else 65504.0) * SCALE_DIVISOR
+
+
+def scale_significant_bits(kind: Kind) -> int:
+    """How many significant bits the stored scales of side ``kind`` keep."""
+    if kind not in KIND_BIT:
+        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+    return V_SCALE_SIGNIFICANT_BITS if kind == "v" else _FP16_SIGNIFICAND_BITS
 
 
 @dataclass
@@ -413,9 +445,9 @@ def quantize(
         is_outlier.scatter_(-1, channels, True)
     magnitude = torch.where(is_outlier, torch.zeros((), device=x.device), x32.abs())
     amax = magnitude.view(num_tokens, num_kv_heads, head_dim // group_size, group_size).amax(-1)
-    if bool((amax / SCALE_DIVISOR > torch.finfo(torch.float16).max).any()):
-        raise ValueError("|x| exceeds what an fp16 group scale can cover (max about 8.28e6)")
-    scales = fp16_scale_rounded_up(amax)
+    if bool((amax > largest_amax(kind)).any()):
+        raise ValueError(f"|x| exceeds what a group scale of {kind.upper()} can cover (max {largest_amax(kind):.6g})")
+    scales = fp16_scale_rounded_up(amax, scale_significant_bits(kind))
 
     if not dither:
         xi = torch.zeros((), device=x.device)

@@ -10,8 +10,8 @@ type, with fp32 accumulation, so the kernel reproduces the float32 reference up 
 * ``q_g . k_hat_g = s_g (q_g . code_g - q_g . alpha_g)`` one channel group at a time (K's dither is
   ``alpha_c`` alone): ``code`` in [-127, 127] is exact in fp16 and bf16 and ``q_g . alpha_g`` one float32
   sum per row; the group scale multiplies whole columns of the ``[H, N]`` partial logits.
-* Output with V rounded to nearest: ``s * code = v_hi + v_lo`` exactly in fp16 and ``2**14 p~`` split
-  into fp16 ``p_hi + p_mid``, three fp16 dots. With V dithered: the fp32 weight ``p~_t s_t`` split into
+* Output with V rounded to nearest: ``s * code`` exact in fp16 (V's scales have 4 significant bits) and
+  ``2**14 p~`` split into fp16 ``p_hi + p_mid``, two fp16 dots. With V dithered: the fp32 weight ``p~_t s_t`` split into
   three bf16 terms, batched over the groups against the exact bf16 codes, and the dither's share
   ``alpha_c sum_t w_t + sum_t w_t beta_t`` subtracted per group.
 
@@ -448,6 +448,14 @@ def write_kernel(
     scale = (amax * (1.0 / 126.5)).to(tl.float16)
     too_small = scale.to(tl.float32) * 126.5 < amax
     scale = tl.where(too_small, (scale.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), scale)
+    if KIND_BIT == 1:
+        # V's scales keep 4 significant bits (reference.V_SCALE_SIGNIFICANT_BITS): in float32, where fp16's
+        # subnormals are normal, the next multiple of 2**20 in the bits (it carries into the exponent); the result
+        # is a multiple of 2**-24, exact in fp16. NaN and inf (a non-finite group, written unvalidated) stay.
+        wide = scale.to(tl.float32)
+        bits = wide.to(tl.uint32, bitcast=True)
+        coarse = ((bits + 0xFFFFF) & 0xFFF00000).to(tl.float32, bitcast=True).to(tl.float16)
+        scale = tl.where(tl.abs(wide) < FP32_INF, coarse, scale)
     scale32 = scale.to(tl.float32)
     # An all-zero group (s = 0) divides by 1 instead: its x are all +-0, and the reference's quotient 0
     # gives the same codes as a signed zero.
@@ -549,22 +557,6 @@ def _by_group(x, N: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.const
 
 
 @triton.jit
-def _scaled_fp16_pair(code, scale, INTERPRETED: tl.constexpr):
-    """``(hi, lo)`` in fp16 with ``hi + lo = scale * code`` exactly, for fp16 ``scale`` and integer ``code``.
-
-    The product has at most 19 significant bits on the 2**-24 grid, so ``hi = fp16(scale * code)``
-    leaves a remainder of at most 8 bits on that grid: fp16 holds it exactly (down to subnormals).
-    """
-    hi = code * scale
-    if INTERPRETED:
-        # The interpreter rounds a * b before adding c in an fp16 fma; fp32 holds the product exactly.
-        lo = (code.to(tl.float32) * scale.to(tl.float32) - hi.to(tl.float32)).to(tl.float16)
-    else:
-        lo = tl.fma(code, scale, -hi)
-    return hi, lo
-
-
-@triton.jit
 def _split_bf16(w):
     """``w = hi + mid + lo`` exactly to 24 bits, each term a bf16 (the wide exponent avoids underflow)."""
     # Truncating to the top 16 bits (a mask, no conversion round trip) keeps 8 significant bits per term:
@@ -619,19 +611,18 @@ def pv_nearest(
 ):  # fmt: skip
     """``acc * alpha + 2**14 sum_t p_t v_hat_t`` for V rounded to nearest (``v_hat = s * code``).
 
-    The product of an fp16 scale and an int8 code is exactly ``v_hi + v_lo`` in fp16, and ``2**14 p`` (at
-    most 2**14, so no overflow, and far from fp16's underflow for every weight that matters) is ``p_hi +
-    p_mid`` to 22 bits: three fp16 dots, no per-group weights, plain ``[rows, N] x [N, D]``.
+    V's scales have 4 significant bits (``reference.V_SCALE_SIGNIFICANT_BITS``), so ``s * code`` (a code of 7 bits)
+    is exact in fp16, and ``2**14 p`` (at most 2**14, so no overflow, and far from fp16's underflow for every weight
+    that matters) is ``p_hi + p_mid`` to 22 bits: two fp16 dots, no per-group weights, plain ``[rows, N] x [N, D]``.
     """
     channel_scale = tl.reshape(tl.broadcast_to(v_scales[:, :, None], (N, NUM_GROUPS, GROUP_SIZE)), (N, HEAD_DIM))
-    v_hi, v_lo = _scaled_fp16_pair(_code_operand(v_codes, tl.float16, INTERPRETED), channel_scale, INTERPRETED)
+    v_hat = _code_operand(v_codes, tl.float16, INTERPRETED) * channel_scale
     scaled = weights * P_SCALE
     p_hi = scaled.to(tl.float16)
     p_mid = (scaled - p_hi.to(tl.float32)).to(tl.float16)
     acc = acc * alpha[:, None]
-    acc = _dot16(p_hi, v_hi, acc, INTERPRETED)
-    acc = _dot16(p_hi, v_lo, acc, INTERPRETED)
-    return _dot16(p_mid, v_hi, acc, INTERPRETED)
+    acc = _dot16(p_hi, v_hat, acc, INTERPRETED)
+    return _dot16(p_mid, v_hat, acc, INTERPRETED)
 
 
 @triton.jit

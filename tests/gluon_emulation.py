@@ -12,13 +12,14 @@ What the layouts do decide is the inline PTX: an ``asm`` block acts on a thread'
 time, in the order its layout gives. Each block of the kernel is emulated by what it computes on the tensor:
 ``ex2.approx.ftz`` is ``exp2`` with results below ``2**-126`` flushed to 0; ``_g_of_radii`` is its series below 1/4
 and ``exp(u) - 1 - u`` through that ``exp2`` from 1/4 on, per element (its branch only skips work); the output's
-rescale is ``acc * alpha``; ``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_split`` is the exact ``hi + lo = s
-* code`` split of each byte of a 16-bit pair of V codes, with the scale from the half of the token's scale word that
-its group selects (``_V_FRAGMENT`` pairs two tokens in a register, and the block's ``f16x2`` outputs keep them so:
-no element moves); ``_transposed_blocks`` (``movmatrix``) transposes each 8x8 block of a warp's ``[16, 8]``, which
-``_p_operand`` relabels back. An asm block not listed here raises. So the emulation checks the kernel's algorithm
-(tiling, masks, the copies' addressing, online softmax, the certificate's folds and merges, the relabelled operands)
-against the reference; the PTX itself is checked by the SASS tests when compiled and by the GPU tests when run.
+rescale is ``acc * alpha``; ``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_split`` is ``s * code`` rounded to
+fp16 (exact for V's scales) for each byte of a 16-bit pair of V codes, with the scale from the half of the token's
+scale word that its group selects (``_V_FRAGMENT`` pairs two tokens in a register, and the block's ``f16x2`` outputs
+keep them so: no element moves); ``_transposed_blocks`` (``movmatrix``) transposes each 8x8 block of a warp's ``[16,
+8]``, which ``_p_operand`` relabels back. An asm block not listed here raises. So the emulation checks the kernel's
+algorithm (tiling, masks, the copies' addressing, online softmax, the certificate's folds and merges, the relabelled
+operands) against the reference; the PTX itself is checked by the SASS tests when compiled and by the GPU tests when
+run.
 
 A warp-specialised kernel (``kernels/gluon_decode_ws.py``) runs its partitions as threads that take turns, one at
 a time: a partition runs until it waits on an mbarrier whose phase has not completed, then hands over to the
@@ -135,21 +136,17 @@ def _neg_codes(codes: np.ndarray) -> np.ndarray:
 
 
 def _v_split(pairs: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``[warp, token, 32]`` 16-bit pairs of stored V bytes and the tokens' scale words -> ``(hi_even, hi_odd,
-    lo_even, lo_odd)``: the exact ``hi + lo = s * code`` split of the low byte (even index) and the high byte (odd),
-    element by element, ``s`` the word's low half where pair j's group ``j // 8`` is even, its high half where odd
-    (``gluon_tiles._v_split``)."""
+    """``[warp, token, 32]`` 16-bit pairs of stored V bytes and the tokens' scale words -> ``(even, odd)``: ``s *
+    code`` rounded to fp16 (exact for V's scales of 4 significant bits) of the low byte (even index) and the high byte
+    (odd), element by element, ``s`` the word's low half where pair j's group ``j // 8`` is even, its high half where
+    odd (``gluon_tiles._v_split``)."""
     stored = pairs.astype(np.int16).view(np.uint16)
     odd_group = (np.arange(pairs.shape[-1]) // 8) % 2 == 1
     scale_bits = np.where(odd_group, words.astype(np.int64) >> 16, words.astype(np.int64)) & 0xFFFF
     scales = scale_bits.astype(np.uint16).view(np.float16).astype(np.float64)
-    out = []
-    for code in ((stored & 0xFF), (stored >> 8)):
-        product = (code.astype(np.float64) - 128.0) * scales  # exact
-        hi = product.astype(np.float16)
-        out.append((hi, (product - hi.astype(np.float64)).astype(np.float16)))
-    (hi_even, lo_even), (hi_odd, lo_odd) = out
-    return hi_even, hi_odd, lo_even, lo_odd
+    # The product of two fp16 values is exact in float64: one rounding to fp16, as mul.rn.f16x2.
+    codes = (stored & 0xFF, stored >> 8)
+    return tuple(((code.astype(np.float64) - 128.0) * scales).astype(np.float16) for code in codes)
 
 
 def _transposed_blocks(x: np.ndarray) -> np.ndarray:
@@ -176,7 +173,7 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
         return _tensor(_rescale(*data), tl.float32)
     if "sub.rn.f16x2 $0, offset, $0" in asm:
         return _tensor(_neg_codes(data[0]), tl.float16)
-    if "prmt.b32 even, $8, 0x64646464, 0x4240" in asm:
+    if "prmt.b32 even, $4, 0x64646464, 0x4240" in asm:
         return tuple(_tensor(x, tl.float16) for x in _v_split(*data))
     raise NotImplementedError(f"gluon_emulation: no emulation for this asm block:\n{asm}")
 

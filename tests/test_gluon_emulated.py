@@ -164,37 +164,44 @@ def test_neg_codes_ptx_gives_minus_each_stored_code_as_emulated():
 
 def test_v_split_ptx_matches_the_emulation_in_the_layouts_register_order():
     """The V operand asm on one pack of ``_V_FRAGMENT`` (register bits: the next token, then the next group): two
-    tokens' index pairs in two groups and the tokens' scale words. Its eight ``f16x2`` outputs equal
-    ``gluon_emulation._v_split``, and ``hi + lo = s * code`` exactly for both bytes of both tokens in both groups,
-    for scales up to 511.75 (``|s code| <= 65504``) including subnormal ones."""
+    tokens' index pairs in two groups and the tokens' scale words. Its four ``f16x2`` outputs equal
+    ``gluon_emulation._v_split``, and for V's scales (4 significant bits, as the pool stores them) they are ``s *
+    code`` exactly, for both bytes of both tokens in both groups, for scales up to 512 (``|s code| <= 65504`` for
+    every code) including subnormal ones."""
     assert gluon_tiles._V_FRAGMENT.value.reg_bases[:2] == [[0, 1, 0], [0, 0, 8]]
     text = gluon_tiles._V_SPLIT_ASM.value
     generator = np.random.default_rng(5)
+    largest = int(np.float16(512.0).view(np.uint16))
     for trial in range(2000):
-        stored = generator.integers(0, 256, size=(2, 2, 2), dtype=np.uint8)  # [group, token, index], stored bytes
-        # Every fourth trial: the smallest subnormal scale and the largest subnormal one.
-        scale_bits = np.array([[1, 0x3FF], [0x3FF, 1]], dtype=np.uint16)
+        stored = generator.integers(1, 256, size=(2, 2, 2), dtype=np.uint8)  # [group, token, index]: codes +-127
+        # Every fourth trial: the smallest subnormal scale and the largest subnormal one of 4 significant bits.
+        scale_bits = np.array([[1, 0x380], [0x380, 1]], dtype=np.uint16)
         if trial % 4:
-            scale_bits = generator.integers(1, 0x5FFF, size=(2, 2), dtype=np.uint16)  # [token, group]
+            scale_bits = generator.integers(1, largest + 1, size=(2, 2), dtype=np.uint16)  # [token, group]
+        stored_scales = reference.fp16_scale_rounded_up(
+            torch.from_numpy(scale_bits.view(np.float16).astype(np.float32)) * reference.SCALE_DIVISOR,
+            reference.V_SCALE_SIGNIFICANT_BITS,
+        )
+        scale_bits = stored_scales.numpy().view(np.uint16)
         scales = scale_bits.view(np.float16)
         words = scale_bits.astype(np.uint32)[:, 0] | (scale_bits.astype(np.uint32)[:, 1] << 16)  # per token
         # Register i of the codes: group i, token t's two bytes in the low half (little-endian); the words of the
         # pack's four elements: token t, t + 1, t, t + 1.
-        inputs = {f"${8 + g}": int(stored[g].reshape(-1).view(np.uint32)[0]) for g in range(2)}
-        inputs.update({f"${10 + i}": int(words[i % 2]) for i in range(4)})
+        inputs = {f"${4 + g}": int(stored[g].reshape(-1).view(np.uint32)[0]) for g in range(2)}
+        inputs.update({f"${6 + i}": int(words[i % 2]) for i in range(4)})
         out = ptx_subset.run(text, inputs)
         # Output k's registers: group 0, group 1; each (token t, token t + 1).
-        got = [np.stack([ptx_subset.halves(out[f"${2 * k + g}"]) for g in range(2)]) for k in range(4)]
+        got = [np.stack([ptx_subset.halves(out[f"${2 * k + g}"]) for g in range(2)]) for k in range(2)]
         # The emulation on [group as the j bit of 8, token, index pair]: j = 0 (group 0) and j = 8 (group 1).
         pairs = np.zeros((2, 16), dtype=np.int16)
         pairs[:, [0, 8]] = stored.view(np.int16)[..., 0].T  # [token, j]
         expected = _v_split(pairs, np.repeat(words.astype(np.int64)[:, None], 16, axis=1))
-        for k in range(4):
+        for k in range(2):
             np.testing.assert_array_equal(got[k], expected[k][:, [0, 8]].T.astype(np.float64))
-        hi_even, hi_odd, lo_even, lo_odd = got
+        even, odd = got
         source = (stored.astype(np.float64) - 128.0) * scales.astype(np.float64).T[:, :, None]
-        np.testing.assert_array_equal(hi_even + lo_even, source[..., 0])
-        np.testing.assert_array_equal(hi_odd + lo_odd, source[..., 1])
+        np.testing.assert_array_equal(even, source[..., 0])
+        np.testing.assert_array_equal(odd, source[..., 1])
 
 
 def _element(layout: object, lane: int, register: int) -> tuple[int, ...]:

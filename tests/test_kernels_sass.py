@@ -60,9 +60,9 @@ def test_gluon_token_loop_copies_the_next_tile_asynchronously(loop_opcodes, cert
     # CI's, whose register allocation moves by several with small changes).
     assert loop.get("STL", 0) <= (10 if certificate else 0), "the token loop spills to local memory"
     # Per warp and 128-token tile: QK 4 groups x 2 row tiles x 2 k steps = 16 (K's dither enters the start
-    # value, not an MMA), PV 2 token halves x 2 channel halves x 3 products x 4 row tiles = 48; the radius
-    # 2 products (sigma^2, bias) x 2 row tiles x 2 tf32 k steps = 8.
-    assert loop.get("HMMA", 0) == 64 + (8 if certificate else 0)
+    # value, not an MMA), PV 2 token halves x 2 channel halves x 2 products (V against p_hi and p_mid) x 4 row
+    # tiles = 32; the radius 2 products (sigma^2, bias) x 2 row tiles x 2 tf32 k steps = 8.
+    assert loop.get("HMMA", 0) == 16 + 32 + (8 if certificate else 0)
 
 
 @pytest.mark.parametrize("certificate", [True, False], ids=["certificate", "no-certificate"])
@@ -76,7 +76,7 @@ def test_gluon_dithered_v_keeps_the_copies_and_mmas_of_the_token_loop(loop_opcod
     assert loop.get("STS", 0) <= 2, "registers are staged through shared memory in the token loop"
     assert loop.get("BAR", 0) == 4
     assert loop.get("LDGSTS", 0) == 16 + 16 + 1 + 1
-    assert loop.get("HMMA", 0) == 64 + (8 if certificate else 0)
+    assert loop.get("HMMA", 0) == 16 + 32 + (8 if certificate else 0)
     assert loop.get("LDG", 0) <= 6
     assert loop.get("STL", 0) <= (32 if certificate else 5), "the token loop spills to local memory"
 

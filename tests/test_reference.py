@@ -214,6 +214,44 @@ def test_scales_are_the_smallest_stored_fp16_values_that_cover_the_amax():
     assert bool(((previous * 126.5 < amax) | (stored == 0)).all())
 
 
+def _significant_bits(x: torch.Tensor) -> torch.Tensor:
+    """Significant bits of finite fp16 values, each an integer multiple of 2**-24 (0 for zero)."""
+    k = (x.double().abs() * 2.0**24).to(torch.int64)
+    k = k // (k & -k).clamp(min=1)  # trailing zeros off
+    return torch.where(k > 0, torch.floor(torch.log2(k.double().clamp(min=1))).to(torch.int64) + 1, 0)
+
+
+def test_v_scales_are_the_smallest_with_4_significant_bits_that_cover_the_amax():
+    """V's scales keep 4 significant bits, subnormal ones too, so that ``s * code`` is exact in fp16
+    (docs/THEORY.md section 1); each is the smallest such value with ``s * 126.5 >= amax``, at most 12.5% above K's
+    11-bit scale."""
+    x = _adversarial_keys(torch.Generator().manual_seed(0))
+    x[6] = torch.randn(4, 128, generator=torch.Generator().manual_seed(1)) * 1e-5  # subnormal scales of 5+ bits
+    qkv = ref.quantize(x, seed=0, layer=0, slots=torch.arange(512), kind="v", dither=False)
+    finer = ref.quantize(x, seed=0, layer=0, slots=torch.arange(512), kind="k").scales.double()
+    stored = qkv.scales.double()
+    assert bool((_significant_bits(qkv.scales) <= 4).all())
+    assert bool(
+        (_significant_bits(ref.quantize(x, seed=0, layer=0, slots=torch.arange(512), kind="k").scales) > 4).any()
+    )
+    amax = x.float().abs().view(512, 4, 4, 32).amax(-1).double()
+    assert bool((stored * 126.5 >= amax).all())
+    # Every fp16 value of at most 4 significant bits, sorted: each stored scale's predecessor there is too small.
+    every = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    coarse = every[_significant_bits(every) <= 4].double()
+    below = coarse[(torch.searchsorted(coarse, stored.reshape(-1)) - 1).clamp(min=0)].reshape(stored.shape)
+    assert bool(((below * 126.5 < amax) | (stored == 0)).all())
+    assert bool(((stored <= finer * 1.125) | (finer == 0)).all())
+    assert bool(((qkv.scales > 0) & (qkv.scales < 2.0**-14) & (_significant_bits(finer.half()) > 4)).any()), (
+        "some subnormal scales are rounded to 4 bits"
+    )
+    # Exact wherever it is within fp16's range (|v| up to 65000, pool.NEAREST_V_MAX; token 1 holds +-65504).
+    exact = qkv.codes.double() * stored.repeat_interleave(32, dim=-1)
+    in_range = exact.abs() <= 65504
+    assert bool(in_range[2:].all())
+    assert torch.equal(exact[in_range].to(torch.float16).double(), exact[in_range]), "s * code is exact in fp16"
+
+
 def test_codes_are_computed_with_the_stored_fp16_scale():
     x = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     qkv = ref.quantize(x, seed=1, layer=0, slots=torch.arange(256), kind="v", dither_bits=16)
@@ -268,7 +306,9 @@ def test_byte_accounting_is_exact(head_dim, group_size, pairs):
         (dict(dither_bits=12), "dither_bits"),
         (dict(outlier_channels=torch.tensor([1])), "RoPE pairs"),
         (dict(outlier_channels=torch.tensor([1, 64])), r"\[0, 64\)"),
-        (dict(x=torch.full((4, 1, 64), 1e7)), "fp16 group scale"),
+        (dict(x=torch.full((4, 1, 64), 1e7)), "group scale of K"),
+        # Within K's reach (8.29e6), beyond V's: V's scales have 4 significant bits, the largest 61440.
+        (dict(x=torch.full((4, 1, 64), 7.8e6), kind="v"), "group scale of V"),
         (dict(seed=-1), "seed"),
     ],
 )
