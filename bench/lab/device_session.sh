@@ -19,6 +19,9 @@
 #                                                    # with DRAM and with the reads in the L2
 #                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)
 #   bash bench/lab/device_session.sh whatif_tests NAME  # the Gluon GPU tests with a what-if in the kernel's place
+#   bash bench/lab/device_session.sh against FILE    # the table's sizes, the kernel paired with the stage 1 of FILE
+#                                                    # (whatif_stage1.py none --rev REV: an earlier commit's), with
+#                                                    # DRAM and with the reads in the L2, then validate (about 8 minutes)
 #   bash bench/lab/device_session.sh caps            # the Gluon register caps (4 programs per SM at 128)
 #   bash bench/lab/device_session.sh profile [NAME]  # ncu's issue, scheduler and stall figures at B = 32, S = 16k,
 #                                                    # for the kernel or a what-if (about 2 minutes)
@@ -38,7 +41,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="auto validate table vdither memory shuffled whatifs whatif_tests caps occupancy profile stalls full"
+stages="auto validate table vdither memory shuffled whatifs whatif_tests against caps occupancy profile stalls full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -167,6 +170,14 @@ whatif_tests)
     python3 bench/lab/whatif_stage1.py "$2" --output kernels/gluon_decode.py
     python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider -k gluon 2>&1 \
         | tee "$out/gpu_tests_$2.log" | tail -25
+    ;;
+against)
+    [[ $# -eq 2 && -f "$2" ]] || { echo "against: name a stage 1 file (bench/lab/whatif_stage1.py none --rev REV)" >&2; exit 2; }
+    paired=(--baseline-stage1 "$2" --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert)
+    python3 bench/bench_kernels.py --v-dither off "${sizes[@]}" "${paired[@]}" --output "$out/against.json"
+    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 "${paired[@]}" \
+        --output "$out/against_resident.json"
+    validate
     ;;
 caps)
     python3 bench/bench_kernels.py --v-dither off --batches 32 --contexts 16384 --sweep gluon \
