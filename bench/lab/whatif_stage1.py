@@ -3,8 +3,9 @@
 Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
 module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-``blockradius``, ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the
-contract tests ask (certificates or outputs that differ from the reference, or nothing); the code changes
+``blockradius``, ``moments``, ``noheld``, ``momentsnoheld``, ``halfpv``, ``all`` and ``copyonly`` compute something
+other than what THEORY.md and the contract tests ask (certificates or outputs that differ from the reference, or
+nothing); the code changes
 (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``, ``gpv``,
 ``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash bench/lab/device_session.sh
 whatif_tests NAME`` checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
@@ -14,6 +15,13 @@ benchmark:
 * ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
+* ``moments``: the certificate from per-thread moments (``bench/lab/certificate_variants.py``'s ``moments_thread``,
+  sound and as tight as the kernel's on SmolLM2): the radius' MMA gives ``sigma^2`` per token and head, its bias MMA
+  goes, and per thread and tile two square roots and ``h`` replace a square root, ``g`` and two products per token
+  and head (``h`` as a short series, without the branch the design needs for large radii);
+* ``noheld``: no token held apart (``certificate_variants.py``'s ``no_held``): no argmax, no fold, the sums over
+  every token; the held token's radius stays 0, so stage 2's T4 and PA reduce to T1 and P (sound, ``min(T1, P)``);
+* ``momentsnoheld``: ``noheld`` with ``moments``' per-thread sums;
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
   ``s * code`` (exact in fp16: V's scales have 4 significant bits) against ``fp16(2**14 p)`` in one MMA per channel
   half, without the ``p_hi + p_mid`` split (two MMAs). The certificate is unchanged; the output rounds as
@@ -119,6 +127,86 @@ _BLOCKRADIUS = [
     ),
 ]
 
+
+# moments: the certificate from per-thread weighted moments of sigma^2 (bench/lab/certificate_variants.py's
+# moments_thread): the radius' tf32 MMA gives sigma^2 per token and head, its bias MMA goes, and per thread and tile
+# two square roots and h replace a square root, g and two products per token and head. ``tail`` stands for c + kappa
+# (per head in the design; one scalar here, which times the same).
+# The radius' MMA gives sigma^2 alone, and certificate_tile takes the tail multiplier.
+_MOMENTS_SETUP = [
+    (
+        '    sigma_sq = mma_v2(scales, radius_ops[0].load(_RADIUS_B), zero, input_precision="tf32")\n'
+        '    bias = mma_v2(scales, radius_ops[1].load(_RADIUS_B), zero, input_precision="tf32")\n'
+        "    return tail * gl.sqrt(sigma_sq) + bias\n",
+        '    return mma_v2(scales, radius_ops[0].load(_RADIUS_B), zero, input_precision="tf32")\n',
+    ),
+    (
+        "@gluon.jit\ndef certificate_tile(\n",
+        "@gluon.jit\ndef _h_of(u):\n    return 0.5 + u * (0.16666667 + u * (0.041666668 + u * 0.0087))\n\n\n"
+        "@gluon.jit\ndef certificate_tile(\n    tail,\n",
+    ),
+    (
+        "            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n",
+        "            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n                tail,\n",
+    ),
+]
+# Per thread: W and S = sum w sigma^2 over its four tokens, u = tail * sqrt(max sigma^2), U += tail sqrt(W S),
+# B += tail^2 h(u) S.
+_MOMENT_SUMS = (
+    "    tile_w = _thread_sum({w})\n"
+    "    tile_s = _thread_sum({w} * radius)\n"
+    "    u_top = tail * gl.sqrt(gl.max(gl.reshape(radius, [4, 4, 8, 8]), axis=1))\n"
+    "    tile_b = inf_where_nan(tail * tail * _h_of(u_top) * tile_s)\n"
+    "    tile_u = tail * gl.sqrt(tile_w * tile_s)\n"
+)
+_MOMENTS = [
+    *_MOMENTS_SETUP,
+    (
+        "    u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)\n",
+        "    u_arg = tail * gl.sqrt(gl.sum(gl.where(is_arg, radius, 0.0), axis=1))\n",
+    ),
+    (
+        "    tile_b = inf_where_nan(_thread_sum(rest_weights * _g_of_radii(radius)))\n"
+        "    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)\n"
+        "    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(rest_weights * radius), fold_row, fold_u)\n"
+        "    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(rest_weights), fold_row, fold_w)\n",
+        _MOMENT_SUMS.format(w="rest_weights")
+        + "    b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)\n"
+        "    u_rest = _rescaled_fold(u_rest * rest_alpha, tile_u, fold_row, fold_u)\n"
+        "    w_rest = _rescaled_fold(w_rest * rest_alpha, tile_w, fold_row, fold_w)\n",
+    ),
+]
+
+
+# noheld: no token held apart (certificate_variants.py's no_held): no argmax, no fold, the sums over every token.
+# u_max and g_max stay 0, so stage 2's T4 and PA reduce to T1 and P: the certificate is min(T1, P).
+_NOHELD_SUMS = (
+    "    b_rest = weighted(rest_alpha, b_rest) + inf_where_nan(_thread_sum(weights * _g_of_radii(radius)))\n"
+    "    u_rest = u_rest * rest_alpha + _thread_sum(weights * radius)\n"
+    "    w_rest = w_rest * rest_alpha + _thread_sum(weights)\n"
+)
+_NOHELD_SPANS = [
+    (
+        "            tile_arg = tile_argmax(logits, tile_max)\n",
+        "        async_copy.wait_group(1)  # this tile's V\n",
+        "            tile_arg = tile_max\n",
+    ),
+    (
+        "    is_arg = _token_index() == tile_arg[:, None, :]\n",
+        "    return b_rest, u_rest, w_rest, u_max, g_max\n",
+        _NOHELD_SUMS,
+    ),
+]
+# momentsnoheld: noheld's sums from moments_thread's per-thread bounds.
+_MOMENTS_NOHELD = [
+    *_MOMENTS_SETUP,
+    (
+        _NOHELD_SUMS,
+        _MOMENT_SUMS.format(w="weights") + "    b_rest = weighted(rest_alpha, b_rest) + tile_b\n"
+        "    u_rest = u_rest * rest_alpha + tile_u\n"
+        "    w_rest = w_rest * rest_alpha + tile_w\n",
+    ),
+]
 
 # halfpv: p_mid goes, and with it one MMA of two (V is one exact fp16 operand already).
 _HALFPV = [
@@ -432,6 +520,9 @@ _SCALESEARLY = [
 _EDITS = {
     "none": lambda text: text,
     "blockradius": _replacing(_BLOCKRADIUS),
+    "moments": _replacing(_MOMENTS),
+    "noheld": _replacing_spans(_NOHELD_SPANS),
+    "momentsnoheld": lambda text: _replacing(_MOMENTS_NOHELD)(_replacing_spans(_NOHELD_SPANS)(text)),
     "halfpv": _replacing(_HALFPV),
     "nobranch": _replacing(_NOBRANCH),
     "copyonly": _replacing_spans(_COPYONLY_SPANS),

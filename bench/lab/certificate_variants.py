@@ -1,0 +1,301 @@
+"""What cheaper certificates would cost in tightness, on a trained model.
+
+Every variant is sound: it bounds each of section 3's accumulators (THEORY.md) from above, and the bounds only add
+and multiply them, so the certificate stays a bound on ``TV(p, p~)`` on the same event ``|d_t| <= u_t``. What each
+saves in the kernel is the per-token work of the certificate; what it costs is tightness, measured here.
+
+* ``block32``, ``block128`` (``whatif_stage1.py blockradius``): every token of a block of 32 (128) consecutive
+  tokens takes the block's largest radius, the held-apart token too; ``..._held`` keeps the held-apart token's own.
+  The per-token ``g`` and radius-weighted sums become one per block and head.
+* ``moments32``: no per-token radius at all. By Cauchy-Schwarz over the groups, ``u_t = c sigma_t + bias_t <=
+  (c + kappa) sigma_t`` with ``kappa^2 = sum_g b_g^2 / a_g`` per head (``bias_t = sum_g b_g s_{t,g}``, ``sigma_t^2
+  = sum_g a_g s_{t,g}^2``), so every rest sum follows from the weighted moments ``M_g = sum_t p~_t s_{t,g}^2`` per
+  block of 32 tokens, which the tensor cores could compute beside PV (the weights' operand against the scales'
+  squares): ``U <= (c + kappa) sum_blocks sqrt(W_blk S_blk)`` (Cauchy-Schwarz over the tokens, ``S_blk = sum_g a_g
+  M_g``), ``B <= (c + kappa)^2 sum_blocks h(u_blk) S_blk`` with ``h(x) = g(x) / x^2`` increasing and ``u_blk = (c +
+  kappa) sqrt(sum_g a_g max_t s_{t,g}^2)`` the block's largest possible radius, and ``A1 <= U + B``. The held-apart
+  token keeps its own radius.
+* ``moments_thread``: the same over the tokens one thread of the Gluon stage 1 holds (tokens ``r, r + 8, r + 16, r +
+  24`` of a warp's 32), from the per-token ``sigma_t^2`` that the radius' tf32 MMA gives (its bias MMA goes): ``u``
+  of a group is ``(c + kappa)`` times its largest ``sigma``, and the held-apart token's radius is ``(c + kappa)
+  sigma_m`` too. Per thread and tile that is two square roots and ``h`` per head where the kernel now computes a
+  square root, ``g`` and two products per token and head.
+* ``no_held``, ``moments_thread_no_held``: no token held apart, so no argmax, no fold and neither T4 nor PA: the
+  certificate is ``min(T1, P)`` of the per-token sums (of ``moments_thread``'s bounds), which need no lane exchange
+  in the loop.
+
+Method. SmolLM2-135M-Instruct on CPU, teacher-forced as ``bench/quality_table.py`` runs it (the prompt prefilled on
+exact K/V, then ``--steps`` forced decode steps through a witcert cache in observe mode). Every decode call of the
+reference path is intercepted where it computes the radii and accumulates the certificate: the same softmax weights
+and scales give the certificate as the kernels compute it and each variant's (blocks of consecutive tokens from the
+sequence's start, as a warp's 32 tokens of a tile are when the split starts at a multiple of 128). The true TV
+(exact keys against the keys read, float64) checks that none is ever below it.
+
+    python bench/lab/certificate_variants.py --out bench/results/certificate_variants_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "0")  # the torch reference path, which the interception reads
+
+import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from witcert.integrations.calibrate import tokenize_texts  # noqa: E402
+from witcert.integrations.gating import CachePolicy, GateMode  # noqa: E402
+from witcert.integrations.models import load_trained  # noqa: E402
+from witcert.integrations.quality import HeadAudit  # noqa: E402
+from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention  # noqa: E402
+from witcert.kernels import reference  # noqa: E402
+
+TEXTS = {"GPL-3": Path("/usr/share/common-licenses/GPL-3"), "argparse.py": Path(os.__file__).parent / "argparse.py"}
+CASES = [("GPL-3", 1024), ("argparse.py", 2048), ("GPL-3", 4096), ("argparse.py", 8184)]
+TAUS = (0.01, 0.05, 0.1, 0.2)
+VARIANTS = (
+    "block32",
+    "block32_held",
+    "block128",
+    "block128_held",
+    "moments32",
+    "moments_thread",
+    "no_held",
+    "moments_thread_no_held",
+)
+
+
+def _blocks(x: torch.Tensor, block: int, fill: float = 0.0) -> torch.Tensor:
+    """``x`` ``[..., S]`` as ``[..., S / block, block]``, padded with ``fill``."""
+    return torch.nn.functional.pad(x, (0, -x.shape[-1] % block), value=fill).unflatten(-1, (-1, block))
+
+
+def block_max(radius: torch.Tensor, block: int) -> torch.Tensor:
+    """Each radius ``[..., S]`` replaced by the largest of its block of ``block`` consecutive tokens."""
+    blocks = _blocks(radius, block)
+    return blocks.amax(-1, keepdim=True).expand_as(blocks).flatten(-2)[..., : radius.shape[-1]]
+
+
+def h_of(x: torch.Tensor) -> torch.Tensor:
+    """``g(x) / x^2``, increasing in ``x >= 0``, ``1/2`` at 0."""
+    return torch.where(x > 0, reference.expm1_minus_x(x) / x.square().clamp_min(1e-300), 0.5)
+
+
+class RadiusParts:
+    """What ``logit_radius`` computes on the way, per query head: ``a_g``, ``b_g``, the tail multiplier ``c`` and
+    the scales ``[H_q, S, G]``."""
+
+    def __init__(self, q: torch.Tensor, k: reference.QuantizedKV, sm_scale: float, delta: float,
+                 kv_head_of_query: torch.Tensor) -> None:  # fmt: skip
+        dtype = q.dtype
+        num_q_heads, head_dim = q.shape
+        q_masked = q
+        if k.outlier_channels.numel():
+            mask = torch.ones(k.num_kv_heads, head_dim, dtype=dtype)
+            mask.scatter_(-1, k.outlier_channels, 0.0)
+            q_masked = q * mask[kv_head_of_query]
+        q_groups = q_masked.view(num_q_heads, head_dim // k.group_size, k.group_size).double()
+        self.a = sm_scale**2 * q_groups.square().sum(-1) / 12.0  # [H_q, G]
+        self.b = sm_scale * q_groups.abs().sum(-1) * reference.fp_slack(k.dither_bits)
+        self.c = reference.tail_multiplier(k.num_tokens, delta)
+        self.scales = k.scales.double()[:, kv_head_of_query, :].permute(1, 0, 2)  # [H_q, S, G]
+
+    def sigma_sq(self) -> torch.Tensor:
+        return (self.scales.square() * self.a[:, None, :]).sum(-1)  # [H_q, S]
+
+    def c_hat(self) -> torch.Tensor:
+        """``c + kappa``: ``u_t <= c_hat sigma_t`` for every token (Cauchy-Schwarz over the groups)."""
+        kappa_sq = torch.where(self.a > 0, self.b.square() / self.a.clamp_min(1e-300), 0.0).sum(-1)
+        return self.c + kappa_sq.sqrt()
+
+
+def _thread_groups(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., S]`` as ``[..., S / 32 * 8, 4]``: per block of 32 tokens, the 8 groups ``r, r + 8, r + 16, r +
+    24`` that one thread of a warp holds."""
+    blocks = _blocks(x, 32).unflatten(-1, (4, 8)).transpose(-1, -2)  # [..., blocks, r, 4]
+    return blocks.flatten(-3, -2)
+
+
+def without_held(terms: reference.CertificateTerms) -> torch.Tensor:
+    """``min(T1, P)``: the bounds that hold no token apart (``A1`` and ``B`` are sums over every token)."""
+    return torch.minimum(terms.t1, terms.p) * reference.CERTIFICATE_EVAL_SLACK
+
+
+def moments_certificate(
+    probs: torch.Tensor,
+    radius: torch.Tensor,
+    parts: RadiusParts,
+    argmax: torch.Tensor,
+    per_thread: bool,
+    no_held: bool = False,
+) -> torch.Tensor:
+    """``moments32``'s certificate ``[H_q]``, or ``moments_thread``'s, or its ``min(T1, P)`` (the module's
+    docstring)."""
+    probs = probs.double()
+    rest = probs.scatter(-1, argmax, 0.0)
+    c_hat = parts.c_hat()[:, None]
+    sigma_sq = parts.sigma_sq()
+    if per_thread:
+        weighted = _thread_groups(rest * sigma_sq).sum(-1)  # S per group [H_q, groups]
+        weights = _thread_groups(rest).sum(-1)  # W per group
+        u_blk = c_hat * _thread_groups(sigma_sq).amax(-1).sqrt()
+        u_max = c_hat.squeeze(-1) * sigma_sq.gather(-1, argmax).squeeze(-1).sqrt()
+    else:
+        weighted = _blocks(rest * sigma_sq, 32).sum(-1)  # S_blk [H_q, blocks]
+        weights = _blocks(rest, 32).sum(-1)  # W_blk
+        largest = (_blocks(parts.scales.square().transpose(1, 2), 32).amax(-1) * parts.a[:, :, None]).sum(1)
+        u_blk = c_hat * largest.sqrt()
+        u_max = radius.double().gather(-1, argmax).squeeze(-1)
+    u_rest = (c_hat * (weights * weighted).sqrt()).sum(-1)
+    b_rest = (c_hat.square() * h_of(u_blk) * weighted).sum(-1)
+    p_max = probs.gather(-1, argmax).squeeze(-1)
+    terms = reference.certificate_from_accumulators(u_rest + b_rest, b_rest, u_rest, rest.sum(-1), p_max, u_max)
+    if no_held:
+        return without_held(terms)
+    if not bool((radius.double() <= c_hat * parts.sigma_sq().sqrt() * (1 + 1e-6) + 1e-30).all()):
+        raise SystemExit("a radius exceeds (c + kappa) sigma: the Cauchy-Schwarz step is off")
+    return terms.certificate
+
+
+class Interception:
+    """Wraps ``reference.logit_radius`` (to keep its parts) and ``reference.accumulate_certificate`` (to return what
+    it returns, and record every variant's certificate beside it)."""
+
+    def __init__(self) -> None:
+        self.per_token: list[torch.Tensor] = []
+        self.variants: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
+        self._radius = reference.logit_radius
+        self._accumulate = reference.accumulate_certificate
+        self._parts: RadiusParts | None = None
+
+    def logit_radius(self, q, k, *, sm_scale, delta, kv_head_of_query):
+        self._parts = RadiusParts(q, k, sm_scale, delta, kv_head_of_query)
+        return self._radius(q, k, sm_scale=sm_scale, delta=delta, kv_head_of_query=kv_head_of_query)
+
+    def accumulate(self, probs: torch.Tensor, radius: torch.Tensor, held: torch.Tensor | None = None):
+        accumulators = self._accumulate(probs, radius, held)
+        self.per_token.append(accumulators.certificate.double())
+        argmax = (probs.argmax(-1) if held is None else held.to(torch.int64))[..., None]
+        for block in (32, 128):
+            looser = block_max(radius, block)
+            self.variants[f"block{block}"].append(self._accumulate(probs, looser, held).certificate.double())
+            looser = looser.scatter(-1, argmax, radius.gather(-1, argmax))
+            self.variants[f"block{block}_held"].append(self._accumulate(probs, looser, held).certificate.double())
+        self.variants["moments32"].append(moments_certificate(probs, radius, self._parts, argmax, False))
+        self.variants["moments_thread"].append(moments_certificate(probs, radius, self._parts, argmax, True))
+        self.variants["no_held"].append(without_held(accumulators.terms).double())
+        self.variants["moments_thread_no_held"].append(
+            moments_certificate(probs, radius, self._parts, argmax, True, no_held=True)
+        )
+        return accumulators
+
+    def __enter__(self) -> Interception:
+        reference.logit_radius = self.logit_radius
+        reference.accumulate_certificate = self.accumulate
+        return self
+
+    def __exit__(self, *exc) -> None:
+        reference.logit_radius = self._radius
+        reference.accumulate_certificate = self._accumulate
+
+
+def run_case(model, prompt: torch.Tensor, forced: torch.Tensor, policy: CachePolicy) -> dict:
+    kwarg = cache_kwarg(model)
+    exact = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt, use_cache=True, **{kwarg: exact})
+    audit = HeadAudit()
+    cache = WitcertCache(
+        model.config, policy, max_cache_len=prompt.shape[1] + forced.shape[1], keep_exact=True, audit=audit
+    )
+    for layer_index, layer in enumerate(exact.layers):
+        cache.update(layer.keys.clone(), layer.values.clone(), layer_index)
+    with Interception() as seen, torch.no_grad():
+        for t in range(forced.shape[1]):
+            model(input_ids=forced[:, t : t + 1], use_cache=True, **{kwarg: cache})
+    # One reference call per (layer, row); the audit has one [B = 1, H_q] entry per layer call, in the same order.
+    per_token = torch.stack(seen.per_token).flatten()
+    audited = torch.stack(audit.certificate).flatten()
+    if not torch.allclose(per_token, audited, rtol=1e-6, atol=0):
+        raise SystemExit("the intercepted certificates are not the ones the cache reported: the interception is off")
+    return {
+        "true_tv": torch.stack(audit.true_tv).flatten().tolist(),
+        "per_token": per_token.tolist(),
+        "variants": {name: torch.stack(v).flatten().tolist() for name, v in seen.variants.items()},
+    }
+
+
+def _figures(cert: torch.Tensor, tv: torch.Tensor, exact: torch.Tensor) -> dict:
+    finite = torch.isfinite(cert) & torch.isfinite(exact) & (exact > 0)
+    ratio = cert[finite] / exact[finite]
+    return {
+        "violations": int((tv > cert).sum()),
+        "coverage": {str(tau): float((cert <= tau).double().mean()) for tau in TAUS},
+        "median": float(cert.median()),
+        "ratio_to_per_token": {q: float(ratio.quantile(float(q))) for q in ("0.5", "0.9", "0.99", "1.0")},
+    }
+
+
+def summary(cases: list[dict]) -> dict:
+    def joined(key: str, name: str | None = None) -> torch.Tensor:
+        values = [x for c in cases for x in (c[key] if name is None else c[key][name])]
+        return torch.tensor(values, dtype=torch.float64)
+
+    tv, exact = joined("true_tv"), joined("per_token")
+    out = {"certificates": tv.numel(), "per_token": _figures(exact, tv, exact)}
+    for name in VARIANTS:
+        out[name] = _figures(joined("variants", name), tv, exact)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="results file (JSON)")
+    parser.add_argument("--steps", type=int, default=8, help="forced decode steps per case (default 8)")
+    parser.add_argument(
+        "--outliers", type=Path, default=Path("bench/results/outliers/smollm2_calibrated_m4.json"),
+        help="outlier pairs kept exact (default: the 4 calibrated pairs); 'none' for none",
+    )  # fmt: skip
+    parser.add_argument("--cases", type=int, default=len(CASES), help=f"the first N of {CASES}")
+    args = parser.parse_args()
+
+    model, tokenizer = load_trained()
+    use_witcert_attention(model)
+    outliers = None if str(args.outliers) == "none" else args.outliers
+    policy = CachePolicy(mode=GateMode.OBSERVE, outlier_file=outliers)
+    cases = []
+    for name, context in CASES[: args.cases]:
+        started = time.monotonic()
+        ((_, tokens),) = tokenize_texts(tokenizer, [TEXTS[name]], context + args.steps)
+        prompt, forced = tokens[:, :context], tokens[:, context : context + args.steps]
+        result = run_case(model, prompt, forced, policy)
+        cases.append({"text": name, "context": context, **result})
+        print(
+            f"{name} {context}: {len(result['true_tv'])} certificates, {time.monotonic() - started:.0f} s",
+            file=sys.stderr,
+        )
+    result = {
+        "method": __doc__.split("\n\n")[3],
+        "variants": __doc__.split("\n\n")[2],
+        "outliers": str(outliers),
+        "steps": args.steps,
+        "summary": summary(cases),
+        "cases": [{"text": c["text"], "context": c["context"]} for c in cases],
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for name, figures in result["summary"].items():
+        if name != "certificates":
+            coverage = ", ".join(f"{tau}: {value:.3f}" for tau, value in figures["coverage"].items())
+            ratio = figures["ratio_to_per_token"]
+            print(f"{name:14s} violations {figures['violations']}, median {figures['median']:.4f}, coverage "
+                  f"({coverage}), ratio to per token median {ratio['0.5']:.2f} p90 {ratio['0.9']:.2f}")  # fmt: skip
+    return 0 if all(v["violations"] == 0 for k, v in result["summary"].items() if k != "certificates") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
