@@ -23,6 +23,9 @@ saves in the kernel is the per-token work of the certificate; what it costs is t
 * ``no_held``, ``moments_thread_no_held``: no token held apart, so no argmax, no fold and neither T4 nor PA: the
   certificate is ``min(T1, P)`` of the per-token sums (of ``moments_thread``'s bounds), which need no lane exchange
   in the loop.
+* ``held_first``, ``moments_thread_held_first``: the sequence's first token held apart, whatever its weight (section
+  3 holds for any token held apart): where it is the argmax, as attention sinks are, T4 and PA keep what they win,
+  and the loop needs no argmax, only its first tile leaves token 0 out of the sums.
 
 Method. SmolLM2-135M-Instruct on CPU, teacher-forced as ``bench/quality_table.py`` runs it (the prompt prefilled on
 exact K/V, then ``--steps`` forced decode steps through a witcert cache in observe mode). Every decode call of the
@@ -67,6 +70,8 @@ VARIANTS = (
     "moments_thread",
     "no_held",
     "moments_thread_no_held",
+    "held_first",
+    "moments_thread_held_first",
 )
 
 
@@ -189,6 +194,9 @@ class Interception:
         self.variants["moments32"].append(moments_certificate(probs, radius, self._parts, argmax, False))
         self.variants["moments_thread"].append(moments_certificate(probs, radius, self._parts, argmax, True))
         self.variants["no_held"].append(without_held(accumulators.terms).double())
+        first = torch.zeros_like(argmax)
+        self.variants["held_first"].append(self._accumulate(probs, radius, first[..., 0]).certificate.double())
+        self.variants["moments_thread_held_first"].append(moments_certificate(probs, radius, self._parts, first, True))
         self.variants["moments_thread_no_held"].append(
             moments_certificate(probs, radius, self._parts, argmax, True, no_held=True)
         )

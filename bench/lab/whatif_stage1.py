@@ -3,14 +3,13 @@
 Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
 module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-``blockradius``, ``moments``, ``noheld``, ``momentsnoheld``, ``halfpv``, ``all`` and ``copyonly`` compute something
-other than what THEORY.md and the contract tests ask (certificates or outputs that differ from the reference, or
-nothing); the code changes
-(``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``, ``gpv``,
-``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash bench/lab/device_session.sh
-whatif_tests NAME`` checks by running the GPU contract tests on one compiled in the kernel's place, and ``python
-bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs outside a
-benchmark:
+``blockradius``, ``moments``, ``noheld``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``, ``all`` and ``copyonly``
+compute something other than what THEORY.md and the contract tests ask (certificates or outputs that differ from the
+reference, or nothing); the code changes (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``,
+``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash
+bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one compiled in the kernel's
+place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs
+outside a benchmark:
 
 * ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
@@ -22,6 +21,7 @@ benchmark:
 * ``noheld``: no token held apart (``certificate_variants.py``'s ``no_held``): no argmax, no fold, the sums over
   every token; the held token's radius stays 0, so stage 2's T4 and PA reduce to T1 and P (sound, ``min(T1, P)``);
 * ``momentsnoheld``: ``noheld`` with ``moments``' per-thread sums;
+* ``momentsfirst``: ``momentsnoheld`` holding the sequence's first token apart, without an argmax;
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
   ``s * code`` (exact in fp16: V's scales have 4 significant bits) against ``fp16(2**14 p)`` in one MMA per channel
   half, without the ``p_hi + p_mid`` split (two MMAs). The certificate is unchanged; the output rounds as
@@ -203,6 +203,26 @@ _MOMENTS_NOHELD = [
     (
         _NOHELD_SUMS,
         _MOMENT_SUMS.format(w="weights") + "    b_rest = weighted(rest_alpha, b_rest) + tile_b\n"
+        "    u_rest = u_rest * rest_alpha + tile_u\n"
+        "    w_rest = w_rest * rest_alpha + tile_w\n",
+    ),
+]
+
+
+# momentsfirst: momentsnoheld holding the sequence's first token apart (certificate_variants.py's
+# moments_thread_held_first): no argmax; a tile that starts the sequence leaves its first tokens out of the sums
+# (here each warp's first, which times the same; the held token's radius and weight, once per split, are not timed).
+_MOMENTS_FIRST = [
+    *_MOMENTS_SETUP,
+    (
+        "            tile_arg = tile_max\n",
+        "            tile_arg = gl.where(start == 0, 0, TOKENS) + gl.zeros_like(tile_max).to(gl.int32)\n",
+    ),
+    (
+        _NOHELD_SUMS,
+        "    rest_weights = gl.where(_token_index() == tile_arg[:, None, :], 0.0, weights)\n"
+        + _MOMENT_SUMS.format(w="rest_weights")
+        + "    b_rest = weighted(rest_alpha, b_rest) + tile_b\n"
         "    u_rest = u_rest * rest_alpha + tile_u\n"
         "    w_rest = w_rest * rest_alpha + tile_w\n",
     ),
@@ -523,6 +543,7 @@ _EDITS = {
     "moments": _replacing(_MOMENTS),
     "noheld": _replacing_spans(_NOHELD_SPANS),
     "momentsnoheld": lambda text: _replacing(_MOMENTS_NOHELD)(_replacing_spans(_NOHELD_SPANS)(text)),
+    "momentsfirst": lambda text: _replacing(_MOMENTS_FIRST)(_replacing_spans(_NOHELD_SPANS)(text)),
     "halfpv": _replacing(_HALFPV),
     "nobranch": _replacing(_NOBRANCH),
     "copyonly": _replacing_spans(_COPYONLY_SPANS),
