@@ -2,10 +2,10 @@
 # GPU runs on the device machine, in stages that each fit one call of the device tool (10 minutes at most).
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
-#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 ws_session.sh's table and
-#                                                    # lab, then the what-ifs halfpv, all, blockradius (about 10 minutes); on
-#                                                    # another card the what-ifs alone (the decode targets
-#                                                    # are set on the H200)
+#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 the table, the what-ifs
+#                                                    # momentsfirst and moments, then ws_session.sh's table and lab
+#                                                    # (about 10 minutes); on another card the what-ifs alone
+#                                                    # (momentsnoheld too; the decode targets are set on the H200)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
 #                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
 #                                                    # aggregator GPU tests too (about 1 minute more)
@@ -136,13 +136,14 @@ auto)
     echo "card: $card" | tee "$out/card.txt"
     # In order of need: a call stopped at its time limit still returns what the earlier stages wrote.
     if [[ "$card" == *H200* ]]; then
-        # What the H200 has not measured yet: the warp-specialised kernel beside the Gluon one (paired), the copy
-        # mechanisms, then what the output's and the radius' contracts cost (halfpv, all, blockradius) on the current loop.
+        # What the H200 has not measured yet: the issue's table on the kernel as it is (V as one operand), what the
+        # cheaper certificates buy (momentsfirst, moments), then the warp-specialised kernel and the copy mechanisms.
+        table
+        whatifs momentsfirst moments
         OUT="$out" bash bench/lab/ws_session.sh table lab
-        whatifs halfpv all blockradius
     else
         # Another card is memory-bound at these sizes: the what-ifs' L2-resident runs stand in for the H200.
-        whatifs halfpv all blockradius
+        whatifs momentsfirst moments momentsnoheld
     fi
     ;;
 validate)
