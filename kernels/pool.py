@@ -223,10 +223,10 @@ class KVPool:
                 if not bool(torch.isfinite(x).all()):
                     raise ValueError(f"{name} contains NaN or inf: a quantized cache cannot represent it")
                 largest = float(x.abs().max())
-                if largest > reference.largest_amax(name):
+                reach = reference.largest_amax(name)
+                if largest > reach:
                     raise ValueError(
-                        f"|{name}| exceeds what a group scale of {name.upper()} can cover "
-                        f"(max {reference.largest_amax(name):.6g})"
+                        f"|{name}| exceeds what a group scale of {name.upper()} can cover (max {reach:.6g})"
                     )
                 if name == "v" and not self.v_dither and largest > NEAREST_V_MAX:
                     raise ValueError(

@@ -284,8 +284,9 @@ def fp16_scale_rounded_up(amax: torch.Tensor, significant_bits: int = _FP16_SIGN
 
 def largest_amax(kind: Kind) -> float:
     """The largest group amax a stored scale of side ``kind`` covers: ``126.5`` times the largest fp16 value with
-    that side's significant bits (65504 for K, 61440 for V; both products exact in float32)."""
-    return (61440.0 if scale_significant_bits(kind) == V_SCALE_SIGNIFICANT_BITS else 65504.0) * SCALE_DIVISOR
+    that side's significant bits, ``(2 - 2**(1 - bits)) 2**15`` (65504 for K, 61440 for V; both products exact in
+    float32)."""
+    return (2.0 - 2.0 ** (1 - scale_significant_bits(kind))) * 2.0**15 * SCALE_DIVISOR
 
 
 def scale_significant_bits(kind: Kind) -> int:
