@@ -61,6 +61,8 @@ from witcert.kernels import reference  # noqa: E402
 TEXTS = {"GPL-3": Path("/usr/share/common-licenses/GPL-3"), "argparse.py": Path(os.__file__).parent / "argparse.py"}
 CASES = [("GPL-3", 1024), ("argparse.py", 2048), ("GPL-3", 4096), ("argparse.py", 8184)]
 TAUS = (0.01, 0.05, 0.1, 0.2)
+# The summary's entries that describe the run rather than a variant.
+_FACTS = ("certificates", "kappa_over_c")
 VARIANTS = (
     "block32",
     "block32_held",
@@ -173,6 +175,7 @@ class Interception:
 
     def __init__(self) -> None:
         self.per_token: list[torch.Tensor] = []
+        self.kappa_over_c: list[torch.Tensor] = []
         self.variants: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
         self._radius = reference.logit_radius
         self._accumulate = reference.accumulate_certificate
@@ -180,6 +183,7 @@ class Interception:
 
     def logit_radius(self, q, k, *, sm_scale, delta, kv_head_of_query):
         self._parts = RadiusParts(q, k, sm_scale, delta, kv_head_of_query)
+        self.kappa_over_c.append(self._parts.c_hat() / self._parts.c - 1.0)
         return self._radius(q, k, sm_scale=sm_scale, delta=delta, kv_head_of_query=kv_head_of_query)
 
     def accumulate(self, probs: torch.Tensor, radius: torch.Tensor, held: torch.Tensor | None = None):
@@ -234,6 +238,7 @@ def run_case(model, prompt: torch.Tensor, forced: torch.Tensor, policy: CachePol
     return {
         "true_tv": torch.stack(audit.true_tv).flatten().tolist(),
         "per_token": per_token.tolist(),
+        "kappa_over_c": torch.cat(seen.kappa_over_c).tolist(),
         "variants": {name: torch.stack(v).flatten().tolist() for name, v in seen.variants.items()},
     }
 
@@ -255,7 +260,12 @@ def summary(cases: list[dict]) -> dict:
         return torch.tensor(values, dtype=torch.float64)
 
     tv, exact = joined("true_tv"), joined("per_token")
-    out = {"certificates": tv.numel(), "per_token": _figures(exact, tv, exact)}
+    kappa = joined("kappa_over_c")
+    out = {
+        "certificates": tv.numel(),
+        "kappa_over_c": {"median": float(kappa.median()), "max": float(kappa.max())},
+        "per_token": _figures(exact, tv, exact),
+    }
     for name in VARIANTS:
         out[name] = _figures(joined("variants", name), tv, exact)
     return out
@@ -297,12 +307,12 @@ def main() -> int:
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name, figures in result["summary"].items():
-        if name != "certificates":
+        if name not in _FACTS:
             coverage = ", ".join(f"{tau}: {value:.3f}" for tau, value in figures["coverage"].items())
             ratio = figures["ratio_to_per_token"]
             print(f"{name:14s} violations {figures['violations']}, median {figures['median']:.4f}, coverage "
                   f"({coverage}), ratio to per token median {ratio['0.5']:.2f} p90 {ratio['0.9']:.2f}")  # fmt: skip
-    return 0 if all(v["violations"] == 0 for k, v in result["summary"].items() if k != "certificates") else 1
+    return 0 if all(v["violations"] == 0 for k, v in result["summary"].items() if k not in _FACTS) else 1
 
 
 if __name__ == "__main__":
