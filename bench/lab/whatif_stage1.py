@@ -131,8 +131,8 @@ _BLOCKRADIUS = [
 # moments: the certificate from per-thread weighted moments of sigma^2 (bench/lab/certificate_variants.py's
 # moments_thread): the radius' tf32 MMA gives sigma^2 per token and head, its bias MMA goes, and per thread and tile
 # two square roots and h replace a square root, g and two products per token and head. ``tail`` stands for c + kappa
-# (per head in the design; one scalar here, which times the same).
-# The radius' MMA gives sigma^2 alone, and certificate_tile takes the tail multiplier.
+# (per head in the design; one scalar here, which times the same). The setup: the radius' MMA gives sigma^2 alone,
+# and certificate_tile takes the tail multiplier.
 _MOMENTS_SETUP = [
     (
         '    sigma_sq = mma_v2(scales, radius_ops[0].load(_RADIUS_B), zero, input_precision="tf32")\n'
@@ -197,14 +197,18 @@ _NOHELD_SPANS = [
         _NOHELD_SUMS,
     ),
 ]
+# Without a fold: the tile's moment sums added to the rescaled ones.
+_MOMENT_FOLDS = (
+    "    b_rest = weighted(rest_alpha, b_rest) + tile_b\n"
+    "    u_rest = u_rest * rest_alpha + tile_u\n"
+    "    w_rest = w_rest * rest_alpha + tile_w\n"
+)
 # momentsnoheld: noheld's sums from moments_thread's per-thread bounds.
 _MOMENTS_NOHELD = [
     *_MOMENTS_SETUP,
     (
         _NOHELD_SUMS,
-        _MOMENT_SUMS.format(w="weights") + "    b_rest = weighted(rest_alpha, b_rest) + tile_b\n"
-        "    u_rest = u_rest * rest_alpha + tile_u\n"
-        "    w_rest = w_rest * rest_alpha + tile_w\n",
+        _MOMENT_SUMS.format(w="weights") + _MOMENT_FOLDS,
     ),
 ]
 
@@ -222,9 +226,7 @@ _MOMENTS_FIRST = [
         _NOHELD_SUMS,
         "    rest_weights = gl.where(_token_index() == tile_arg[:, None, :], 0.0, weights)\n"
         + _MOMENT_SUMS.format(w="rest_weights")
-        + "    b_rest = weighted(rest_alpha, b_rest) + tile_b\n"
-        "    u_rest = u_rest * rest_alpha + tile_u\n"
-        "    w_rest = w_rest * rest_alpha + tile_w\n",
+        + _MOMENT_FOLDS,
     ),
 ]
 
