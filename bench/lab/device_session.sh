@@ -4,8 +4,9 @@
 #
 #   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 the table, the what-ifs
 #                                                    # momentsfirst and moments, then ws_session.sh's table and lab
-#                                                    # (about 10 minutes); on another card the what-ifs alone
-#                                                    # (momentsnoheld too; the decode targets are set on the H200)
+#                                                    # (about 10 minutes); on another card the what-ifs' L2-resident
+#                                                    # runs alone (momentsnoheld too; the decode targets are set on
+#                                                    # the H200; about 4 minutes)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
 #                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
 #                                                    # aggregator GPU tests too (about 1 minute more)
@@ -98,10 +99,16 @@ whatifs() {
         python3 bench/lab/whatif_stage1.py "$name" --output "$out/stage1_$name.py"
         python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
             --variants sdpa_cudnn int8_nocert int8_cert base_nocert base_cert --output "$out/whatif_$name.json"
-        # With the reads in the L2, where the kernel's own instructions set its pace (the H200's case).
-        python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$name.py" \
-            --resident-slots 16384 --variants int8_cert base_cert --output "$out/whatif_${name}_resident.json"
+        whatif_resident "$name"
     done
+}
+
+whatif_resident() {
+    # With the reads in the L2, where the kernel's own instructions set its pace (the H200's case); the kernel
+    # without the certificate beside it gives each certificate's cost.
+    python3 bench/lab/whatif_stage1.py "$1" --output "$out/stage1_$1.py"
+    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --baseline-stage1 "$out/stage1_$1.py" \
+        --resident-slots 16384 --variants int8_nocert int8_cert base_cert --output "$out/whatif_${1}_resident.json"
 }
 
 occupancy() {
@@ -142,8 +149,8 @@ auto)
         whatifs momentsfirst moments
         OUT="$out" bash bench/lab/ws_session.sh table lab
     else
-        # Another card is memory-bound at these sizes: the what-ifs' L2-resident runs stand in for the H200.
-        whatifs momentsfirst moments momentsnoheld
+        # Another card is memory-bound at these sizes: the what-ifs' L2-resident runs alone stand in for the H200.
+        for name in momentsfirst moments momentsnoheld; do whatif_resident "$name"; done
     fi
     ;;
 validate)
