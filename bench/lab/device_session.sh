@@ -19,6 +19,8 @@
 #   bash bench/lab/device_session.sh whatifs NAME..  # what-ifs that keep the contract, paired with the kernel,
 #                                                    # with DRAM and with the reads in the L2
 #                                                    # (bench/lab/whatif_stage1.py's names; about 2 minutes each)
+#   bash bench/lab/device_session.sh resident NAME.. # what-ifs with the reads in the L2 alone, beside the kernel with and
+#                                                    # without the certificate (about 1 minute each)
 #   bash bench/lab/device_session.sh whatif_tests NAME  # the Gluon GPU tests with a what-if in the kernel's place
 #   bash bench/lab/device_session.sh against FILE    # the table's sizes, the kernel paired with the stage 1 of FILE
 #                                                    # (whatif_stage1.py none --rev REV: an earlier commit's), with
@@ -42,7 +44,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="auto validate table vdither memory shuffled whatifs whatif_tests against caps occupancy profile stalls full"
+stages="auto validate table vdither memory shuffled whatifs resident whatif_tests against caps occupancy profile stalls full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -171,6 +173,10 @@ shuffled)
 whatifs)
     [[ $# -gt 1 ]] || { echo "whatifs: name the what-ifs to time (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }
     whatifs "${@:2}"
+    ;;
+resident)
+    [[ $# -gt 1 ]] || { echo "resident: name the what-ifs to time (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }
+    for name in "${@:2}"; do whatif_resident "$name"; done
     ;;
 whatif_tests)
     [[ $# -eq 2 ]] || { echo "whatif_tests: name one what-if (bench/lab/whatif_stage1.py --help)" >&2; exit 2; }

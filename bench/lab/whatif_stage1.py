@@ -3,7 +3,7 @@
 Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
 module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-``blockradius``, ``moments``, ``noheld``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``, ``all`` and ``copyonly``
+``blockradius``, ``moments``, ``noheld``, ``first``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``, ``all`` and ``copyonly``
 compute something other than what THEORY.md and the contract tests ask (certificates or outputs that differ from the
 reference, or nothing); the code changes (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``,
 ``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash
@@ -20,6 +20,7 @@ outside a benchmark:
   and head (``h`` as a short series, without the branch the design needs for large radii);
 * ``noheld``: no token held apart (``certificate_variants.py``'s ``no_held``): no argmax, no fold, the sums over
   every token; the held token's radius stays 0, so stage 2's T4 and PA reduce to T1 and P (sound, ``min(T1, P)``);
+* ``first``: ``noheld`` holding the sequence's first token apart (``held_first``), without an argmax;
 * ``momentsnoheld``: ``noheld`` with ``moments``' per-thread sums;
 * ``momentsfirst``: ``momentsnoheld`` holding the sequence's first token apart, without an argmax;
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
@@ -213,21 +214,24 @@ _MOMENTS_NOHELD = [
 ]
 
 
+# first: noheld holding the sequence's first token apart (certificate_variants.py's held_first), the per-token sums
+# kept: no argmax; a tile that starts the sequence leaves its first tokens out of the sums (here each warp's first,
+# which times the same; the held token's radius and weight, once per split, are not timed).
+_FIRST_TOKEN = (
+    "            tile_arg = tile_max\n",
+    "            tile_arg = gl.where(start == 0, 0, TOKENS) + gl.zeros_like(tile_max).to(gl.int32)\n",
+)
+_FIRST_WEIGHTS = "    rest_weights = gl.where(_token_index() == tile_arg[:, None, :], 0.0, weights)\n"
+_FIRST = [
+    _FIRST_TOKEN,
+    (_NOHELD_SUMS, _FIRST_WEIGHTS + _NOHELD_SUMS.replace("(weights", "(rest_weights")),
+]
 # momentsfirst: momentsnoheld holding the sequence's first token apart (certificate_variants.py's
-# moments_thread_held_first): no argmax; a tile that starts the sequence leaves its first tokens out of the sums
-# (here each warp's first, which times the same; the held token's radius and weight, once per split, are not timed).
+# moments_thread_held_first), as first does.
 _MOMENTS_FIRST = [
     *_MOMENTS_SETUP,
-    (
-        "            tile_arg = tile_max\n",
-        "            tile_arg = gl.where(start == 0, 0, TOKENS) + gl.zeros_like(tile_max).to(gl.int32)\n",
-    ),
-    (
-        _NOHELD_SUMS,
-        "    rest_weights = gl.where(_token_index() == tile_arg[:, None, :], 0.0, weights)\n"
-        + _MOMENT_SUMS.format(w="rest_weights")
-        + _MOMENT_FOLDS,
-    ),
+    _FIRST_TOKEN,
+    (_NOHELD_SUMS, _FIRST_WEIGHTS + _MOMENT_SUMS.format(w="rest_weights") + _MOMENT_FOLDS),
 ]
 
 # halfpv: p_mid goes, and with it one MMA of two (V is one exact fp16 operand already).
@@ -545,6 +549,7 @@ _EDITS = {
     "moments": _replacing(_MOMENTS),
     "noheld": _replacing_spans(_NOHELD_SPANS),
     "momentsnoheld": lambda text: _replacing(_MOMENTS_NOHELD)(_replacing_spans(_NOHELD_SPANS)(text)),
+    "first": lambda text: _replacing(_FIRST)(_replacing_spans(_NOHELD_SPANS)(text)),
     "momentsfirst": lambda text: _replacing(_MOMENTS_FIRST)(_replacing_spans(_NOHELD_SPANS)(text)),
     "halfpv": _replacing(_HALFPV),
     "nobranch": _replacing(_NOBRANCH),
