@@ -26,6 +26,11 @@ saves in the kernel is the per-token work of the certificate; what it costs is t
 * ``held_first``, ``moments_thread_held_first``: the sequence's first token held apart, whatever its weight (section
   3 holds for any token held apart): where it is the argmax, as attention sinks are, T4 and PA keep what they win,
   and the loop needs no argmax, only its first tile leaves token 0 out of the sums.
+* ``held_ends``, ``moments_thread_held_ends``: held apart, the argmax over the sequence's first and last tiles of
+  128 tokens (``ENDS``; tiles start at multiples of 128, as the decode kernels' do): where attention sinks (the start)
+  and the newest tokens (the end) sit. A kernel runs the argmax and its fold on those two tiles alone (their start is
+  a scalar it knows, so the branch is uniform); every other tile adds all its tokens to the sums. Where the argmax
+  lies in neither, another token is held apart, which is sound.
 
 Method. SmolLM2-135M-Instruct on CPU, teacher-forced as ``bench/quality_table.py`` runs it (the prompt prefilled on
 exact K/V, then ``--steps`` forced decode steps through a witcert cache in observe mode). Every decode call of the
@@ -74,7 +79,10 @@ VARIANTS = (
     "moments_thread_no_held",
     "held_first",
     "moments_thread_held_first",
+    "held_ends",
+    "moments_thread_held_ends",
 )
+ENDS = 128
 
 
 def _blocks(x: torch.Tensor, block: int, fill: float = 0.0) -> torch.Tensor:
@@ -201,6 +209,11 @@ class Interception:
         first = torch.zeros_like(argmax)
         self.variants["held_first"].append(self._accumulate(probs, radius, first[..., 0]).certificate.double())
         self.variants["moments_thread_held_first"].append(moments_certificate(probs, radius, self._parts, first, True))
+        position = torch.arange(probs.shape[-1])
+        at_ends = (position < ENDS) | (position >= (probs.shape[-1] - 1) // ENDS * ENDS)
+        ends = probs.masked_fill(~at_ends, -1.0).argmax(-1, keepdim=True)
+        self.variants["held_ends"].append(self._accumulate(probs, radius, ends[..., 0]).certificate.double())
+        self.variants["moments_thread_held_ends"].append(moments_certificate(probs, radius, self._parts, ends, True))
         self.variants["moments_thread_no_held"].append(
             moments_certificate(probs, radius, self._parts, argmax, True, no_held=True)
         )

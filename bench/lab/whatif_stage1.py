@@ -3,7 +3,7 @@
 Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
 module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-``blockradius``, ``moments``, ``noheld``, ``first``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``, ``all`` and ``copyonly``
+``blockradius``, ``moments``, ``noheld``, ``first``, ``ends``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``, ``all`` and ``copyonly``
 compute something other than what THEORY.md and the contract tests ask (certificates or outputs that differ from the
 reference, or nothing); the code changes (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``,
 ``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash
@@ -21,6 +21,8 @@ outside a benchmark:
 * ``noheld``: no token held apart (``certificate_variants.py``'s ``no_held``): no argmax, no fold, the sums over
   every token; the held token's radius stays 0, so stage 2's T4 and PA reduce to T1 and P (sound, ``min(T1, P)``);
 * ``first``: ``noheld`` holding the sequence's first token apart (``held_first``), without an argmax;
+* ``ends``: the argmax held apart over the sequence's first and last tiles only (``held_ends``): those two tiles run
+  the kernel's argmax and fold, every other tile ``noheld``'s sums, behind a branch on the tile's start;
 * ``momentsnoheld``: ``noheld`` with ``moments``' per-thread sums;
 * ``momentsfirst``: ``momentsnoheld`` holding the sequence's first token apart, without an argmax;
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
@@ -232,6 +234,38 @@ _MOMENTS_FIRST = [
     *_MOMENTS_SETUP,
     _FIRST_TOKEN,
     (_NOHELD_SUMS, _FIRST_WEIGHTS + _MOMENT_SUMS.format(w="rest_weights") + _MOMENT_FOLDS),
+]
+
+# ends: the argmax held apart over the sequence's first and last tiles only (certificate_variants.py's held_ends):
+# those tiles run today's argmax and fold, every other tile adds all its tokens to the sums, as noheld does, behind a
+# branch on the tile's start (a scalar: the whole program takes the same side). What it times: the loop's usual
+# tile without the argmax, and the branch. The held token's own logit (which the design tracks apart from the running
+# max, since tiles between the ends move the max without changing the held token) is not kept: it times the same.
+_ENDS_TEST = "(start == 0) | (start + BLOCK_N >= seq_len)"
+_ENDS = [
+    (
+        "            tile_arg = tile_argmax(logits, tile_max)\n",
+        f"            if {_ENDS_TEST}:\n"
+        "                tile_arg = tile_argmax(logits, tile_max)\n"
+        "            else:\n"
+        "                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS\n",
+    ),
+    (
+        "            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
+        "                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, "
+        "u_rest,\n"
+        "                w_rest, u_max, g_max,\n"
+        "            )  # fmt: skip\n",
+        f"            if {_ENDS_TEST}:\n"
+        "                b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
+        "                    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, "
+        "b_rest,\n"
+        "                    u_rest, w_rest, u_max, g_max,\n"
+        "                )  # fmt: skip\n"
+        "            else:\n"
+        + "\n".join(" " * 12 + line for line in _NOHELD_SUMS.splitlines())
+        + "\n",
+    ),
 ]
 
 # halfpv: p_mid goes, and with it one MMA of two (V is one exact fp16 operand already).
@@ -549,6 +583,7 @@ _EDITS = {
     "moments": _replacing(_MOMENTS),
     "noheld": _replacing_spans(_NOHELD_SPANS),
     "momentsnoheld": lambda text: _replacing(_MOMENTS_NOHELD)(_replacing_spans(_NOHELD_SPANS)(text)),
+    "ends": _replacing(_ENDS),
     "first": lambda text: _replacing(_FIRST)(_replacing_spans(_NOHELD_SPANS)(text)),
     "momentsfirst": lambda text: _replacing(_MOMENTS_FIRST)(_replacing_spans(_NOHELD_SPANS)(text)),
     "halfpv": _replacing(_HALFPV),
