@@ -3,13 +3,13 @@
 Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
 module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-``blockradius``, ``moments``, ``noheld``, ``first``, ``ends``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``, ``all`` and ``copyonly``
-compute something other than what THEORY.md and the contract tests ask (certificates or outputs that differ from the
-reference, or nothing); the code changes (``nobranch``, ``qkahead``, ``pipelined``, ``threadarg``, ``radiusearly``,
-``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the real kernel does, which ``bash
-bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one compiled in the kernel's
-place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI does not test them. None runs
-outside a benchmark:
+``blockradius``, ``moments``, ``noheld``, ``first``, ``ends``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``,
+``all`` and ``copyonly`` compute something other than what THEORY.md and the contract tests ask (certificates or
+outputs that differ from the reference, or nothing); the code changes (``nobranch``, ``qkahead``, ``pipelined``,
+``threadarg``, ``radiusearly``, ``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the real kernel
+does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one
+compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI
+does not test them. None runs outside a benchmark:
 
 * ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
@@ -262,9 +262,7 @@ _ENDS = [
         "b_rest,\n"
         "                    u_rest, w_rest, u_max, g_max,\n"
         "                )  # fmt: skip\n"
-        "            else:\n"
-        + "\n".join(" " * 12 + line for line in _NOHELD_SUMS.splitlines())
-        + "\n",
+        "            else:\n" + "\n".join(" " * 12 + line for line in _NOHELD_SUMS.splitlines()) + "\n",
     ),
 ]
 
