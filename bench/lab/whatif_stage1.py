@@ -3,13 +3,13 @@
 Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
 module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
 ``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
-``blockradius``, ``moments``, ``noheld``, ``first``, ``ends``, ``momentsnoheld``, ``momentsfirst``, ``halfpv``,
-``all`` and ``copyonly`` compute something other than what THEORY.md and the contract tests ask (certificates or
-outputs that differ from the reference, or nothing); the code changes (``nobranch``, ``qkahead``, ``pipelined``,
-``threadarg``, ``radiusearly``, ``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the real kernel
-does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests on one
-compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU. CI
-does not test them. None runs outside a benchmark:
+``blockradius``, ``moments``, ``noheld``, ``first``, ``ends``, ``momentsnoheld``, ``momentsfirst``, ``momentsends``,
+``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the contract tests ask
+(certificates or outputs that differ from the reference, or nothing); the code changes (``nobranch``, ``qkahead``,
+``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the
+real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests
+on one compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU.
+CI does not test them. None runs outside a benchmark:
 
 * ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
@@ -25,6 +25,8 @@ does not test them. None runs outside a benchmark:
   the kernel's argmax and fold, every other tile ``noheld``'s sums, behind a branch on the tile's start;
 * ``momentsnoheld``: ``noheld`` with ``moments``' per-thread sums;
 * ``momentsfirst``: ``momentsnoheld`` holding the sequence's first token apart, without an argmax;
+* ``momentsends``: ``moments`` with ``ends``' branch: the argmax and its fold on the first and last tiles, the tiles
+  between them ``momentsnoheld``'s sums;
 * ``halfpv``: the output as half-precision attention computes it (cuDNN's contract, not THEORY.md's 1e-5):
   ``s * code`` (exact in fp16: V's scales have 4 significant bits) against ``fp16(2**14 p)`` in one MMA per channel
   half, without the ``p_hi + p_mid`` split (two MMAs). The certificate is unchanged; the output rounds as
@@ -242,29 +244,43 @@ _MOMENTS_FIRST = [
 # tile without the argmax, and the branch. The held token's own logit (which the design tracks apart from the running
 # max, since tiles between the ends move the max without changing the held token) is not kept: it times the same.
 _ENDS_TEST = "(start == 0) | (start + BLOCK_N >= seq_len)"
-_ENDS = [
-    (
-        "            tile_arg = tile_argmax(logits, tile_max)\n",
-        f"            if {_ENDS_TEST}:\n"
-        "                tile_arg = tile_argmax(logits, tile_max)\n"
-        "            else:\n"
-        "                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS\n",
-    ),
-    (
-        "            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
-        "                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, "
-        "u_rest,\n"
-        "                w_rest, u_max, g_max,\n"
-        "            )  # fmt: skip\n",
-        f"            if {_ENDS_TEST}:\n"
-        "                b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
-        "                    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, "
-        "b_rest,\n"
-        "                    u_rest, w_rest, u_max, g_max,\n"
-        "                )  # fmt: skip\n"
-        "            else:\n" + "\n".join(" " * 12 + line for line in _NOHELD_SUMS.splitlines()) + "\n",
-    ),
-]
+
+
+def _ends(other_tiles: str, tail: bool = False) -> list[tuple[str, str]]:
+    """``ends``' edits: the argmax and the certificate's tile behind the branch, ``other_tiles`` (the sums, indented
+    as ``certificate_tile``'s body is) on every other tile; ``tail`` where ``moments`` gave the call its first
+    argument."""
+    call = "tail,\n" if tail else ""
+    return [
+        (
+            "            tile_arg = tile_argmax(logits, tile_max)\n",
+            f"            if {_ENDS_TEST}:\n"
+            "                tile_arg = tile_argmax(logits, tile_max)\n"
+            "            else:\n"
+            "                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS\n",
+        ),
+        (
+            "            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
+            + (" " * 16 + call if call else "")
+            + "                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, "
+            "b_rest, u_rest,\n"
+            "                w_rest, u_max, g_max,\n"
+            "            )  # fmt: skip\n",
+            f"            if {_ENDS_TEST}:\n"
+            "                b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
+            + (" " * 20 + call if call else "")
+            + "                    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, "
+            "fold_row, b_rest,\n"
+            "                    u_rest, w_rest, u_max, g_max,\n"
+            "                )  # fmt: skip\n"
+            "            else:\n" + "\n".join(" " * 12 + line for line in other_tiles.splitlines()) + "\n",
+        ),
+    ]
+
+
+_ENDS = _ends(_NOHELD_SUMS)
+# momentsends: moments, with ends' branch: the tiles between the ends add momentsnoheld's sums.
+_MOMENTS_ENDS = _ends(_MOMENT_SUMS.format(w="weights") + _MOMENT_FOLDS, tail=True)
 
 # halfpv: p_mid goes, and with it one MMA of two (V is one exact fp16 operand already).
 _HALFPV = [
@@ -582,6 +598,7 @@ _EDITS = {
     "noheld": _replacing_spans(_NOHELD_SPANS),
     "momentsnoheld": lambda text: _replacing(_MOMENTS_NOHELD)(_replacing_spans(_NOHELD_SPANS)(text)),
     "ends": _replacing(_ENDS),
+    "momentsends": lambda text: _replacing(_MOMENTS_ENDS)(_replacing(_MOMENTS)(text)),
     "first": lambda text: _replacing(_FIRST)(_replacing_spans(_NOHELD_SPANS)(text)),
     "momentsfirst": lambda text: _replacing(_MOMENTS_FIRST)(_replacing_spans(_NOHELD_SPANS)(text)),
     "halfpv": _replacing(_HALFPV),
