@@ -3,10 +3,11 @@
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
 #   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 the table, the what-ifs
-#                                                    # momentsfirst and moments, then ws_session.sh's table and lab
-#                                                    # (about 10 minutes); on another card the what-ifs' L2-resident
-#                                                    # runs alone (momentsnoheld too; the decode targets are set on
-#                                                    # the H200; about 4 minutes)
+#                                                    # momentsends, ends and momentsfirst, then ws_session.sh's table
+#                                                    # and lab (about 12 minutes: a call stopped at 10 returns what
+#                                                    # the earlier stages wrote); on another card the same what-ifs'
+#                                                    # L2-resident runs alone (the decode targets are set on the
+#                                                    # H200; about 4 minutes)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
 #                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
 #                                                    # aggregator GPU tests too (about 1 minute more)
@@ -146,13 +147,15 @@ auto)
     # In order of need: a call stopped at its time limit still returns what the earlier stages wrote.
     if [[ "$card" == *H200* ]]; then
         # What the H200 has not measured yet: the issue's table on the kernel as it is (V as one operand), what the
-        # cheaper certificates buy (momentsfirst, moments), then the warp-specialised kernel and the copy mechanisms.
+        # cheaper certificates buy (momentsends, ends, momentsfirst), then the warp-specialised kernel and the copy
+        # mechanisms.
         table
-        whatifs momentsfirst moments
+        whatifs momentsends ends momentsfirst
         OUT="$out" bash bench/lab/ws_session.sh table lab
     else
-        # Another card is memory-bound at these sizes: the what-ifs' L2-resident runs alone stand in for the H200.
-        for name in momentsfirst moments momentsnoheld; do whatif_resident "$name"; done
+        # Another card is memory-bound at these sizes: the what-ifs' L2-resident runs alone stand in for the H200
+        # (bench/results/whatif_*_resident_h100.json has them all once; a second run gives their spread).
+        for name in momentsends ends momentsfirst; do whatif_resident "$name"; done
     fi
     ;;
 validate)
