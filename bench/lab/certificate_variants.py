@@ -30,7 +30,9 @@ saves in the kernel is the per-token work of the certificate; what it costs is t
   128 tokens (``ENDS``; tiles start at multiples of 128, as the decode kernels' do): where attention sinks (the start)
   and the newest tokens (the end) sit. A kernel runs the argmax and its fold on those two tiles alone (their start is
   a scalar it knows, so the branch is uniform); every other tile adds all its tokens to the sums. Where the argmax
-  lies in neither, another token is held apart, which is sound.
+  lies in neither, another token is held apart, which is sound. With the moments, each 32-token block of an end tile
+  gives its own first argmax a cell of its own (a warp holds it apart there, then holds it or folds it back alone),
+  so that the sums do not depend on the order a kernel meets the tiles in.
 
 Method. SmolLM2-135M-Instruct on CPU, teacher-forced as ``bench/quality_table.py`` runs it (the prompt prefilled on
 exact K/V, then ``--steps`` forced decode steps through a witcert cache in observe mode). Every decode call of the
@@ -136,6 +138,17 @@ def _thread_groups(x: torch.Tensor) -> torch.Tensor:
     return blocks.flatten(-3, -2)
 
 
+def block_argmaxes(probs: torch.Tensor, at_ends: torch.Tensor) -> torch.Tensor:
+    """``[..., S]`` bool: the first argmax of each block of 32 tokens in the end tiles (``at_ends``), the tokens a
+    kernel's warps hold apart there and hold or fold back alone."""
+    num_tokens = probs.shape[-1]
+    blocks = _blocks(probs.masked_fill(~at_ends, -1.0), 32, fill=-1.0)  # [..., blocks, 32]
+    first = blocks.argmax(-1, keepdim=True)
+    picked = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, first, True)
+    in_ends = _blocks(at_ends.expand_as(probs).to(probs.dtype), 32) > 0
+    return (picked & in_ends).flatten(-2)[..., :num_tokens]
+
+
 def without_held(terms: reference.CertificateTerms) -> torch.Tensor:
     """``min(T1, P)``: the bounds that hold no token apart (``A1`` and ``B`` are sums over every token)."""
     return torch.minimum(terms.t1, terms.p) * reference.CERTIFICATE_EVAL_SLACK
@@ -148,16 +161,19 @@ def moments_certificate(
     argmax: torch.Tensor,
     per_thread: bool,
     no_held: bool = False,
+    alone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``moments32``'s certificate ``[H_q]``, or ``moments_thread``'s, or its ``min(T1, P)`` (the module's
-    docstring)."""
+    docstring). ``alone`` ``[H_q, S]`` (bool, per thread only): tokens that are cells of their own, their terms
+    exact for the radius ``(c + kappa) sigma_t``."""
     probs = probs.double()
     rest = probs.scatter(-1, argmax, 0.0)
     c_hat = parts.c_hat()[:, None]
     sigma_sq = parts.sigma_sq()
     if per_thread:
-        weighted = _thread_groups(rest * sigma_sq).sum(-1)  # S per group [H_q, groups]
-        weights = _thread_groups(rest).sum(-1)  # W per group
+        grouped = rest if alone is None else rest.masked_fill(alone, 0.0)
+        weighted = _thread_groups(grouped * sigma_sq).sum(-1)  # S per group [H_q, groups]
+        weights = _thread_groups(grouped).sum(-1)  # W per group
         u_blk = c_hat * _thread_groups(sigma_sq).amax(-1).sqrt()
         u_max = c_hat.squeeze(-1) * sigma_sq.gather(-1, argmax).squeeze(-1).sqrt()
     else:
@@ -168,6 +184,11 @@ def moments_certificate(
         u_max = radius.double().gather(-1, argmax).squeeze(-1)
     u_rest = (c_hat * (weights * weighted).sqrt()).sum(-1)
     b_rest = (c_hat.square() * h_of(u_blk) * weighted).sum(-1)
+    if alone is not None:
+        single = torch.where(alone, rest, 0.0)
+        u_single = c_hat * sigma_sq.sqrt()
+        u_rest = u_rest + (single * u_single).sum(-1)
+        b_rest = b_rest + (single * reference.expm1_minus_x(u_single)).sum(-1)
     p_max = probs.gather(-1, argmax).squeeze(-1)
     terms = reference.certificate_from_accumulators(u_rest + b_rest, b_rest, u_rest, rest.sum(-1), p_max, u_max)
     if no_held:
@@ -213,7 +234,9 @@ class Interception:
         at_ends = (position < ENDS) | (position >= (probs.shape[-1] - 1) // ENDS * ENDS)
         ends = probs.masked_fill(~at_ends, -1.0).argmax(-1, keepdim=True)
         self.variants["held_ends"].append(self._accumulate(probs, radius, ends[..., 0]).certificate.double())
-        self.variants["moments_thread_held_ends"].append(moments_certificate(probs, radius, self._parts, ends, True))
+        self.variants["moments_thread_held_ends"].append(
+            moments_certificate(probs, radius, self._parts, ends, True, alone=block_argmaxes(probs, at_ends))
+        )
         self.variants["moments_thread_no_held"].append(
             moments_certificate(probs, radius, self._parts, argmax, True, no_held=True)
         )
