@@ -138,14 +138,14 @@ def _thread_groups(x: torch.Tensor) -> torch.Tensor:
     return blocks.flatten(-3, -2)
 
 
-def block_argmaxes(probs: torch.Tensor, at_ends: torch.Tensor) -> torch.Tensor:
-    """``[..., S]`` bool: the first argmax of each block of 32 tokens in the end tiles (``at_ends``), the tokens a
-    kernel's warps hold apart there and hold or fold back alone."""
-    num_tokens = probs.shape[-1]
-    blocks = _blocks(probs.masked_fill(~at_ends, -1.0), 32, fill=-1.0)  # [..., blocks, 32]
+def block_argmaxes(candidates: torch.Tensor, at_ends: torch.Tensor) -> torch.Tensor:
+    """``[..., S]`` bool: the first argmax of each block of 32 tokens in the end tiles (``at_ends``; ``candidates``
+    are the weights there, -1 elsewhere), the tokens a kernel's warps hold apart there and hold or fold back alone."""
+    num_tokens = candidates.shape[-1]
+    blocks = _blocks(candidates, 32, fill=-1.0)  # [..., blocks, 32]
     first = blocks.argmax(-1, keepdim=True)
     picked = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, first, True)
-    in_ends = _blocks(at_ends.expand_as(probs).to(probs.dtype), 32) > 0
+    in_ends = _blocks(at_ends.expand_as(candidates).to(candidates.dtype), 32) > 0
     return (picked & in_ends).flatten(-2)[..., :num_tokens]
 
 
@@ -232,10 +232,11 @@ class Interception:
         self.variants["moments_thread_held_first"].append(moments_certificate(probs, radius, self._parts, first, True))
         position = torch.arange(probs.shape[-1])
         at_ends = (position < ENDS) | (position >= (probs.shape[-1] - 1) // ENDS * ENDS)
-        ends = probs.masked_fill(~at_ends, -1.0).argmax(-1, keepdim=True)
+        candidates = probs.masked_fill(~at_ends, -1.0)
+        ends = candidates.argmax(-1, keepdim=True)
         self.variants["held_ends"].append(self._accumulate(probs, radius, ends[..., 0]).certificate.double())
         self.variants["moments_thread_held_ends"].append(
-            moments_certificate(probs, radius, self._parts, ends, True, alone=block_argmaxes(probs, at_ends))
+            moments_certificate(probs, radius, self._parts, ends, True, alone=block_argmaxes(candidates, at_ends))
         )
         self.variants["moments_thread_no_held"].append(
             moments_certificate(probs, radius, self._parts, argmax, True, no_held=True)

@@ -250,7 +250,7 @@ def _ends(other_tiles: str, tail: bool = False) -> list[tuple[str, str]]:
     """``ends``' edits: the argmax and the certificate's tile behind the branch, ``other_tiles`` (the sums, indented
     as ``certificate_tile``'s body is) on every other tile; ``tail`` where ``moments`` gave the call its first
     argument."""
-    call = "tail,\n" if tail else ""
+    call = ["tail,\n"] if tail else []
     return [
         (
             "            tile_arg = tile_argmax(logits, tile_max)\n",
@@ -261,14 +261,14 @@ def _ends(other_tiles: str, tail: bool = False) -> list[tuple[str, str]]:
         ),
         (
             "            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
-            + (" " * 16 + call if call else "")
+            + "".join(" " * 16 + line for line in call)
             + "                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, "
             "b_rest, u_rest,\n"
             "                w_rest, u_max, g_max,\n"
             "            )  # fmt: skip\n",
             f"            if {_ENDS_TEST}:\n"
             "                b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(\n"
-            + (" " * 20 + call if call else "")
+            + "".join(" " * 20 + line for line in call)
             + "                    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, "
             "fold_row, b_rest,\n"
             "                    u_rest, w_rest, u_max, g_max,\n"
