@@ -209,10 +209,11 @@ def certified_decode_rows(
             for r in range(num_rows)
         ]
     )
-    radius = radius.masked_fill(exact_mask.transpose(1, 2)[:, kv_of_q], 0.0).reshape(num_rows * num_q_heads, -1)
+    exact_rows = exact_mask.transpose(1, 2)[:, kv_of_q].reshape(num_rows * num_q_heads, num_tokens)
+    radius = radius.reshape(num_rows * num_q_heads, -1).masked_fill(exact_rows, 0.0)
 
     probs = torch.softmax(logits, dim=-1)
-    certificate = reference.accumulate_certificate(probs, radius).certificate
+    certificate = reference.accumulate_certificate(probs, radius, exact_rows).certificate
     fallback = torch.zeros(num_rows * num_q_heads, dtype=torch.bool, device=q.device)
     repaired_bytes = torch.zeros(num_rows * num_q_heads, dtype=torch.int64, device=q.device)
     repaired: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -258,9 +259,10 @@ def certified_decode_rows(
                 sm_scale * (q_rows[readers] @ k_exact.to(torch.float32)[:, :, None])[..., 0]
             )
             radius[readers, positions[:, None]] = 0.0
+            exact_rows[readers, positions[:, None]] = True
             heads = over_cell.repeat_interleave(group_size)
             probs[heads] = torch.softmax(logits[heads], dim=-1)
-            certificate[heads] = reference.accumulate_certificate(probs[heads], radius[heads]).certificate
+            certificate[heads] = reference.accumulate_certificate(probs[heads], radius[heads], exact_rows[heads]).certificate
 
     v_eff = torch.where(exact_mask[..., None], exact_values.to(torch.float32), values.to(torch.float32))
     out = probs.view(num_rows, num_kv_heads, group_size, num_tokens) @ v_eff.permute(0, 2, 1, 3)
@@ -460,7 +462,7 @@ def merge_exact(
     """Merge the kernel's part over the quantized tokens with the exact part over the repaired ones.
 
     ``out_q``, ``lse_q``, ``accumulators`` and ``certificate_q`` are the kernel's outputs over the tokens
-    it read, normalized by its own ``lse_q``. The token held apart stays the kernel's argmax (section 3
+    it read, normalized by its own ``lse_q``. The token held apart stays the kernel's (section 3
     holds for any held token, THEORY.md section 6): exact tokens have radius 0, so they add only their
     mass ``w_e`` to ``P_rest`` and nothing to the other rest sums, and the certificate is never looser
     than holding the overall argmax apart. A head with no quantized token gets certificate 0; a head with

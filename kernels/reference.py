@@ -550,10 +550,17 @@ def mul_nonneg(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(a * 1.0, math.inf), a * b)
 
 
-def logit_radius(
-    q: torch.Tensor, k: QuantizedKV, *, sm_scale: float, delta: float, kv_head_of_query: torch.Tensor
-) -> torch.Tensor:
-    """``u_t`` for every query head and token ``[H_q, S]`` (THEORY.md section 2)."""
+def radius_multiplier(num_tokens: int, delta: float, dither_bits: int, quantized_channels: int) -> float:
+    """``c + kappa``: every logit's radius ``c sigma_t + bias_t`` is at most ``(c + kappa) sigma_t`` with
+    ``kappa = beta sqrt(12 D_q)``, ``D_q`` the head's quantized channels (THEORY.md section 2)."""
+    if quantized_channels < 0:
+        raise ValueError(f"quantized_channels must be >= 0, got {quantized_channels}")
+    return tail_multiplier(num_tokens, delta) + fp_slack(dither_bits) * math.sqrt(12.0 * quantized_channels)
+
+
+def logit_sigma(q: torch.Tensor, k: QuantizedKV, *, sm_scale: float, kv_head_of_query: torch.Tensor) -> torch.Tensor:
+    """``sigma_t`` for every query head and token ``[H_q, S]``: the sub-Gaussian proxy of the logit's error
+    (THEORY.md section 2), exact channels left out."""
     dtype = q.dtype
     num_q_heads, head_dim = q.shape
     groups = head_dim // k.group_size
@@ -563,15 +570,20 @@ def logit_radius(
         mask = torch.ones(k.num_kv_heads, head_dim, dtype=dtype, device=q.device)
         mask.scatter_(-1, k.outlier_channels, 0.0)
         q_masked = q * mask[kv_head_of_query]
-    q_groups = q_masked.view(num_q_heads, groups, k.group_size)
-    q_sq = q_groups.square().sum(-1)  # [H_q, G]
-    q_l1 = q_groups.abs().sum(-1)  # [H_q, G]
+    q_sq = q_masked.view(num_q_heads, groups, k.group_size).square().sum(-1)  # [H_q, G]
     scales = k.scales.to(dtype)[:, kv_head_of_query, :].permute(1, 0, 2)  # [H_q, S, G]
     # An overflowed |q_g|^2 beside a zero scale (an all-zero group) is 0 * inf: +inf by section 3's rule for
     # products with an overflowed factor, as the kernels have it, never NaN.
-    sigma = sm_scale * torch.sqrt(mul_nonneg(scales.square(), q_sq[:, None, :]).sum(-1) / 12.0)
-    bias = sm_scale * mul_nonneg(scales, q_l1[:, None, :]).sum(-1) * fp_slack(k.dither_bits)
-    return tail_multiplier(k.num_tokens, delta) * sigma + bias
+    return sm_scale * torch.sqrt(mul_nonneg(scales.square(), q_sq[:, None, :]).sum(-1) / 12.0)
+
+
+def logit_radius(
+    q: torch.Tensor, k: QuantizedKV, *, sm_scale: float, delta: float, kv_head_of_query: torch.Tensor
+) -> torch.Tensor:
+    """``u_t = (c + kappa) sigma_t`` for every query head and token ``[H_q, S]`` (THEORY.md section 2)."""
+    quantized_channels = k.head_dim - k.outlier_channels.shape[-1]
+    multiplier = radius_multiplier(k.num_tokens, delta, k.dither_bits, quantized_channels)
+    return multiplier * logit_sigma(q, k, sm_scale=sm_scale, kv_head_of_query=kv_head_of_query)
 
 
 @dataclass
@@ -615,13 +627,59 @@ def certificate_from_accumulators(
     return CertificateTerms(t1=a1, t4=t4, p=torch.sqrt(b / 2.0), pa=torch.sqrt(pa_inner / 2.0))
 
 
+# Where the certificate's sums are taken together (THEORY.md section 3), as the decode kernels' threads hold
+# tokens: a cell is the tokens t, t + 8, t + 16, t + 24 of a block of 32 (from the sequence's start), and the token
+# held apart is found among the first and last tiles of 128 tokens alone.
+CELL_BLOCK = 32
+CELL_STRIDE = 8
+END_TILE = 128
+
+
+def h_of(x: torch.Tensor) -> torch.Tensor:
+    """``h(x) = g(x) / x^2`` for ``x >= 0``: increasing, ``1/2`` at 0, ``+inf`` once ``g`` overflows. A series
+    below 0.05 (truncation below 1e-13 relative), so that ``x^2`` never underflows into the division."""
+    small = x < 0.05
+    series = torch.zeros_like(x)
+    for n in range(9, 1, -1):
+        series = series * x + 1.0 / math.factorial(n)
+    safe = torch.where(small, 1.0, x)
+    g = expm1_minus_x(safe)
+    # g overflows (x above 88 in float32) long before x^2 does: inf / x^2, or inf / inf, reads as +inf.
+    return torch.where(small, series, torch.where(torch.isinf(g), g, g / (safe * safe)))
+
+
+def end_tokens(num_tokens: int, device=None) -> torch.Tensor:
+    """``[S]`` bool: the tokens of the sequence's first and last tiles of ``END_TILE`` (one tile when ``S <=
+    END_TILE``), among which the certificate finds the token it holds apart."""
+    position = torch.arange(num_tokens, device=device)
+    return (position < END_TILE) | (position >= (num_tokens - 1) // END_TILE * END_TILE)
+
+
+def _by_cell(x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``x`` ``[..., S]`` as ``[..., S / 32, 8, 4]`` (padded with ``fill``): each block's cells, a cell's four tokens
+    on the last axis."""
+    padded = torch.nn.functional.pad(x, (0, -x.shape[-1] % CELL_BLOCK), value=fill)
+    return padded.unflatten(-1, (-1, CELL_BLOCK // CELL_STRIDE, CELL_STRIDE)).transpose(-1, -2)
+
+
+def _block_first_argmax(candidates: torch.Tensor) -> torch.Tensor:
+    """``[..., S]`` bool: in each block of 32 tokens, the first token with the largest ``candidates`` value, where
+    that value is ``>= 0`` (a block whose values are all negative has none)."""
+    num_tokens = candidates.shape[-1]
+    blocks = torch.nn.functional.pad(candidates, (0, -num_tokens % CELL_BLOCK), value=-1.0).unflatten(-1, (-1, 32))
+    first = blocks.argmax(-1, keepdim=True)
+    picked = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, first, blocks.gather(-1, first) >= 0)
+    return picked.flatten(-2)[..., :num_tokens]
+
+
 @dataclass
 class CertificateAccumulators:
-    """Softmax-weighted sums over tokens, with the argmax token ``m`` held apart (THEORY.md section 3)."""
+    """Upper bounds on the softmax-weighted sums over tokens, with one token ``m`` held apart (THEORY.md section 3).
+    ``p_max = u_max = 0`` when no token is held apart."""
 
-    a1_rest: torch.Tensor  # sum_{t != m} p~_t expm1(u_t)
-    b_rest: torch.Tensor  # sum_{t != m} p~_t g(u_t)
-    u_rest: torch.Tensor  # sum_{t != m} p~_t u_t
+    a1_rest: torch.Tensor  # >= sum_{t != m} p~_t expm1(u_t)
+    b_rest: torch.Tensor  # >= sum_{t != m} p~_t g(u_t)
+    u_rest: torch.Tensor  # >= sum_{t != m} p~_t u_t
     p_rest: torch.Tensor  # sum_{t != m} p~_t
     p_max: torch.Tensor  # p~_m
     u_max: torch.Tensor  # u_m
@@ -638,23 +696,42 @@ class CertificateAccumulators:
 
 
 def accumulate_certificate(
-    probs: torch.Tensor, radius: torch.Tensor, held: torch.Tensor | None = None
+    probs: torch.Tensor, radius: torch.Tensor, exact: torch.Tensor | None = None
 ) -> CertificateAccumulators:
-    """The accumulators from the kernel's softmax ``probs`` and radii ``radius``, both ``[..., S]``.
+    """The accumulators from the softmax ``probs`` and radii ``radius``, both ``[..., S]`` in sequence order
+    (THEORY.md section 3).
 
-    ``m`` is the first argmax of ``probs`` (the argmax of the logits), or the index ``held`` ``[...]``:
-    section 3's bounds hold for any token held apart (THEORY.md section 6 uses that).
+    In each block of 32 tokens of the first and last tiles of 128 (``end_tokens``), the first argmax of ``probs``
+    is a *singleton*: its terms are exact. The first argmax among the singletons is held apart as ``m``. Every other
+    token sits in its *cell* (``_by_cell``), whose sums are bounded from its weight ``W``, ``S = sum p~ u^2`` and its
+    largest radius ``u_c``: ``U <= sqrt(W S)``, ``B <= h(u_c) S``, and ``A1 <= U + B``.
+
+    ``exact`` ``[..., S]`` (bool): tokens read exactly (radius 0) beside the quantized ones, as gating repairs
+    them: they add their weight to ``P_rest`` alone, and are never a singleton or held apart.
     """
-    argmax = probs.argmax(-1, keepdim=True) if held is None else held[..., None].to(torch.int64)
-    p_max = probs.gather(-1, argmax).squeeze(-1)
-    u_max = radius.gather(-1, argmax).squeeze(-1)
-    not_max = torch.ones_like(probs, dtype=torch.bool).scatter(-1, argmax, False)
+    num_tokens = probs.shape[-1]
     zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
-    a1_rest = torch.where(not_max, mul_nonneg(probs, torch.expm1(radius)), zero).sum(-1)
-    b_rest = torch.where(not_max, mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
-    u_rest = torch.where(not_max, mul_nonneg(probs, radius), zero).sum(-1)
-    p_rest = torch.where(not_max, probs, zero).sum(-1)
-    return CertificateAccumulators(a1_rest, b_rest, u_rest, p_rest, p_max, u_max)
+    quantized = torch.ones_like(probs, dtype=torch.bool) if exact is None else ~exact.expand_as(probs)
+    candidates = probs.masked_fill(~(quantized & end_tokens(num_tokens, probs.device)), -1.0)
+    singleton = _block_first_argmax(candidates)
+    held_candidates = probs.masked_fill(~singleton, -1.0)
+    argmax = held_candidates.argmax(-1, keepdim=True)
+    has_held = held_candidates.gather(-1, argmax) >= 0
+    held = torch.zeros_like(singleton).scatter(-1, argmax, has_held)
+    p_max = torch.where(has_held, probs.gather(-1, argmax), zero).squeeze(-1)
+    u_max = torch.where(has_held, radius.gather(-1, argmax), zero).squeeze(-1)
+
+    alone = singleton & ~held
+    u_alone = torch.where(alone, mul_nonneg(probs, radius), zero).sum(-1)
+    b_alone = torch.where(alone, mul_nonneg(probs, expm1_minus_x(radius)), zero).sum(-1)
+    in_cells = quantized & ~singleton
+    weight = _by_cell(torch.where(in_cells, probs, zero)).sum(-1)
+    moment = _by_cell(torch.where(in_cells, mul_nonneg(probs, radius.square()), zero)).sum(-1)
+    largest = _by_cell(radius).amax(-1)
+    u_rest = u_alone + torch.sqrt(mul_nonneg(weight, moment)).sum((-2, -1))
+    b_rest = b_alone + mul_nonneg(h_of(largest), moment).sum((-2, -1))
+    p_rest = torch.where(held, zero, probs).sum(-1)
+    return CertificateAccumulators(u_rest + b_rest, b_rest, u_rest, p_rest, p_max, u_max)
 
 
 @dataclass
@@ -738,6 +815,9 @@ def decode_attention(
     out = torch.einsum("hs,shd->hd", probs, v_hat)
 
     radius = logit_radius(q, k, sm_scale=sm_scale, delta=delta_step, kv_head_of_query=kv_head)
+    if skip is not None:
+        # A skipped token is not read: like one past the end, it has radius 0 in its cell.
+        radius = radius.masked_fill(skip.to(q.device)[:, kv_head].T, 0.0)
     acc = accumulate_certificate(probs, radius)
     return DecodeResult(out=out, lse=lse, radius=radius, probs=probs, accumulators=acc)
 

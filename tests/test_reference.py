@@ -381,6 +381,100 @@ def test_expm1_minus_x_is_accurate_across_the_series_switch():
     assert torch.allclose(exact[x.abs() > 0.1], high[x.abs() > 0.1], rtol=1e-10)
 
 
+def test_h_is_g_over_x_squared_increasing_and_inf_where_g_overflows():
+    x = torch.cat((torch.zeros(1), torch.logspace(-8, 2.5, 800), torch.tensor([1e20, math.inf]))).double()
+    h = ref.h_of(x)
+    series = x < 2.0
+    high = [sum(v ** (n - 2) / math.factorial(n) for n in range(2, 60)) for v in x[series].tolist()]
+    assert torch.allclose(h[series], torch.tensor(high, dtype=torch.float64), rtol=1e-12, atol=0)
+    direct = [(math.expm1(v) - v) / v**2 for v in x[~series & (x < 300)].tolist()]
+    assert torch.allclose(h[~series & (x < 300)], torch.tensor(direct, dtype=torch.float64), rtol=1e-14, atol=0)
+    assert bool((h[:-2].diff() >= 0).all())
+    assert h[0] == 0.5 and math.isinf(float(h[-1])) and math.isinf(float(h[-2]))
+    assert math.isinf(float(ref.h_of(torch.tensor([100.0]))[0]))  # float32: g overflows above 88
+
+
+def _per_token_accumulators(probs, radius, held, exact):
+    """Section 3's sums token by token with ``held`` held apart (``-1``: none), exact tokens adding weight alone."""
+    index = torch.arange(probs.shape[-1])
+    rest = (index != held[..., None]) & ~exact
+    zero = torch.zeros((), dtype=probs.dtype)
+    u = torch.where(rest, probs * radius, zero).sum(-1)
+    b = torch.where(rest, probs * ref.expm1_minus_x(radius), zero).sum(-1)
+    p_rest = torch.where(index != held[..., None], probs, zero).sum(-1)
+    has = held >= 0
+    p_max = torch.where(has, probs.gather(-1, held.clamp_min(0)[..., None]).squeeze(-1), zero)
+    u_max = torch.where(has, radius.gather(-1, held.clamp_min(0)[..., None]).squeeze(-1), zero)
+    return ref.CertificateAccumulators(u + b, b, u, p_rest, p_max, u_max)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 31, 33, 128, 129, 300, 1000])
+def test_the_cells_bound_the_per_token_sums_with_the_end_tiles_argmax_held_apart(num_tokens):
+    generator = torch.Generator().manual_seed(num_tokens)
+    heads = 64
+    logits = 3.0 * torch.randn(heads, num_tokens, generator=generator, dtype=torch.float64)
+    logits[:8, num_tokens // 2] += 30.0  # the largest weight between the end tiles for some heads
+    probs = torch.softmax(logits, -1)
+    radius = 0.05 * torch.rand(heads, num_tokens, generator=generator, dtype=torch.float64) ** 2
+    radius[8:16] *= 100.0  # radii past the series switch of g and h
+    exact = torch.rand(heads, num_tokens, generator=generator) < 0.2
+    exact[16:24] = False
+    exact[24, :] = True
+    radius = radius.masked_fill(exact, 0.0)
+    ends = ref.end_tokens(num_tokens)
+    acc = ref.accumulate_certificate(probs, radius, exact)
+
+    candidates = probs.masked_fill(~ends | exact, -1.0)
+    held = torch.where(candidates.amax(-1) >= 0, candidates.argmax(-1), -1)
+    per_token = _per_token_accumulators(probs, radius, held, exact)
+    torch.testing.assert_close(acc.p_max, per_token.p_max, rtol=0, atol=0)
+    torch.testing.assert_close(acc.u_max, per_token.u_max, rtol=0, atol=0)
+    torch.testing.assert_close(acc.p_rest, per_token.p_rest, rtol=1e-12, atol=0)
+    for name in ("a1_rest", "b_rest", "u_rest"):
+        assert bool((getattr(acc, name) >= getattr(per_token, name) * (1 - 1e-12)).all()), name
+    assert bool((acc.certificate >= per_token.certificate * (1 - 1e-12)).all())
+    assert acc.p_max[24] == 0 and acc.u_max[24] == 0 and acc.certificate[24] == 0  # every token exact
+    if num_tokens > 2 * ref.END_TILE:
+        assert bool((acc.p_max[:8] < probs[:8, num_tokens // 2]).all())  # the middle token is not held apart
+    if num_tokens <= ref.CELL_STRIDE:
+        # One token per cell: the bounds are the per-token sums.
+        for name in ("a1_rest", "b_rest", "u_rest"):
+            torch.testing.assert_close(getattr(acc, name), getattr(per_token, name), rtol=1e-12, atol=0)
+
+
+def test_a_cell_is_a_blocks_tokens_with_the_same_position_mod_8():
+    # Tokens 200 and 208 (block 6, cell 0) share a cell between the end tiles (S = 300); 209 sits in cell 1.
+    probs = torch.zeros(1, 300, dtype=torch.float64)
+    radius = torch.zeros(1, 300, dtype=torch.float64)
+    probs[0, [0, 200, 208, 209]] = torch.tensor([0.4, 0.2, 0.3, 0.1], dtype=torch.float64)
+    radius[0, [0, 200, 208, 209]] = torch.tensor([0.1, 0.02, 0.05, 0.03], dtype=torch.float64)
+    acc = ref.accumulate_certificate(probs, radius)
+    moment = 0.2 * 0.02**2 + 0.3 * 0.05**2
+    u = math.sqrt(0.5 * moment) + 0.1 * 0.03
+    b = float(ref.h_of(torch.tensor(0.05, dtype=torch.float64))) * moment + float(
+        ref.expm1_minus_x(torch.tensor(0.03, dtype=torch.float64))
+    ) * 0.1
+    assert float(acc.p_max[0]) == 0.4 and float(acc.u_max[0]) == 0.1
+    assert float(acc.u_rest[0]) == pytest.approx(u, rel=1e-12)
+    assert float(acc.b_rest[0]) == pytest.approx(b, rel=1e-12)
+    assert float(acc.a1_rest[0]) == pytest.approx(u + b, rel=1e-12)
+    assert float(acc.p_rest[0]) == pytest.approx(0.6, rel=1e-12)
+
+
+def test_each_end_block_argmax_is_exact_and_the_first_of_the_largest_is_held():
+    # S = 256: the end tiles are [0, 128) and [128, 256), all 8 blocks. Equal largest weights at 40 and 140: the
+    # first is held; every other block's first argmax keeps its exact terms, so a cell's looser bound never
+    # reaches a token that tops its block.
+    probs = torch.full((1, 256), 0.5 / 254, dtype=torch.float64)
+    probs[0, [40, 140]] = 0.25
+    radius = torch.full((1, 256), 0.01, dtype=torch.float64)
+    radius[0, 140] = 0.5
+    acc = ref.accumulate_certificate(probs, radius)
+    assert float(acc.p_max[0]) == 0.25 and float(acc.u_max[0]) == 0.01
+    singles = [32 * b for b in range(8) if b not in (1, 4)] + [140]
+    assert float(acc.u_rest[0]) >= 0.25 * 0.5 + sum(float(probs[0, t]) * 0.01 for t in singles if t != 140)
+
+
 # --- decode and the radius ----------------------------------------------------------------------------
 
 
@@ -443,8 +537,11 @@ def test_radius_formula_and_outliers_carry_no_radius():
     groups = q_masked.view(1, 2, 32)
     s = k.scales.double()[:, 0, :]  # [S, 2]
     sigma = 0.125 * torch.sqrt((s.square() * groups.square().sum(-1)).sum(-1) / 12)
-    bias = 0.125 * (s * groups.abs().sum(-1)).sum(-1) * (2.0**-25 + 2.0**-16)
-    assert torch.allclose(radius[0], c * sigma + bias, rtol=1e-12)
+    beta = 2.0**-25 + 2.0**-16
+    bias = 0.125 * (s * groups.abs().sum(-1)).sum(-1) * beta
+    # (c + kappa) sigma, kappa = beta sqrt(12 D_q) over the 64 - 32 quantized channels; it bounds c sigma + bias.
+    assert torch.allclose(radius[0], (c + beta * math.sqrt(12 * 32)) * sigma, rtol=1e-12)
+    assert bool((radius[0] >= c * sigma + bias).all())
 
 
 def test_a_zero_scale_beside_an_overflowed_query_gives_an_infinite_radius():
