@@ -262,7 +262,9 @@ def certified_decode_rows(
             exact_rows[readers, positions[:, None]] = True
             heads = over_cell.repeat_interleave(group_size)
             probs[heads] = torch.softmax(logits[heads], dim=-1)
-            certificate[heads] = reference.accumulate_certificate(probs[heads], radius[heads], exact_rows[heads]).certificate
+            certificate[heads] = reference.accumulate_certificate(
+                probs[heads], radius[heads], exact_rows[heads]
+            ).certificate
 
     v_eff = torch.where(exact_mask[..., None], exact_values.to(torch.float32), values.to(torch.float32))
     out = probs.view(num_rows, num_kv_heads, group_size, num_tokens) @ v_eff.permute(0, 2, 1, 3)

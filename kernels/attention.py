@@ -61,10 +61,10 @@ class AttentionOutput:
 
 class _SplitPartials(NamedTuple):
     """A split's certificate partials, each ``[rows, H_q, splits]`` float32, in the order the stage-1 kernels and
-    stage 2 take their pointers: the split's max logit, the rest sums with its argmax token held apart, and u at
-    that argmax."""
+    stage 2 take their pointers: the logit of the token the split holds apart (``-inf`` where it holds none), the
+    rest sums, and u at the held token."""
 
-    max_logit: torch.Tensor
+    held_logit: torch.Tensor
     a1_rest: torch.Tensor
     b_rest: torch.Tensor
     u_rest: torch.Tensor
@@ -338,7 +338,7 @@ def _run_triton(
         q.stride(1),
         sm_scale,
         math.log(2.0 / delta_step) if certificate else 0.0,
-        reference.fp_slack(pool.dither_bits),
+        reference.bias_multiplier(pool.dither_bits, head_dim - pool.num_outliers),
     )
     use_ws = use_gluon and _runs_gluon_ws(q)
     if use_gluon:
@@ -802,7 +802,7 @@ def _run_extend_tiled(
             q.stride(1),
             sm_scale,
             math.log(2.0 / delta_step) if certificate else 0.0,
-            reference.fp_slack(pool.dither_bits),
+            reference.bias_multiplier(pool.dither_bits, head_dim - pool.num_outliers),
             NUM_KV_HEADS=pool.kv_heads,
             KV_GROUP=kv_group,
             BLOCK_H=block_h,

@@ -205,16 +205,21 @@ def mean_certificate(
     """
     scales = _group_scales(keys.abs(), keep, group_size)  # [C, N, G]
     masked_q = queries[None] * keep[:, None, None, :].to(queries.dtype)  # [C, Q, Gq, D]
-    q_groups = masked_q.unflatten(-1, (-1, group_size))
-    q_sq, q_l1 = q_groups.square().sum(-1), q_groups.abs().sum(-1)  # [C, Q, Gq, G]
-    variance = torch.einsum("cqhg,cng->cqhn", q_sq, scales.square())
-    bias = torch.einsum("cqhg,cng->cqhn", q_l1, scales) * reference.fp_slack(dither_bits)
-    tail = torch.tensor(
-        [reference.tail_multiplier(int(n), delta) for n in lengths.tolist()], dtype=keys.dtype, device=keys.device
-    )
-    radius = sm_scale * (tail[None, :, None, None] * torch.sqrt(variance / 12.0) + bias)
-    certificate = reference.accumulate_certificate(probs[None].expand_as(radius), radius).certificate
-    return certificate.clamp_max(1.0).mean(dim=(1, 2))
+    q_sq = masked_q.unflatten(-1, (-1, group_size)).square().sum(-1)  # [C, Q, Gq, G]
+    sigma = sm_scale * torch.sqrt(torch.einsum("cqhg,cng->cqhn", q_sq, scales.square()) / 12.0)
+    kappa = _bias_multipliers(keep, dither_bits, keys)
+    certificates = []
+    # Each query reads its own length: its radius multiplier and its end tiles (where the held token is found).
+    for i, n in enumerate(lengths.tolist()):
+        radius = (reference.tail_multiplier(int(n), delta) + kappa)[:, None, None] * sigma[:, i, :, :n]
+        certificates.append(reference.accumulate_certificate(probs[i, :, :n].expand_as(radius), radius).certificate)
+    return torch.stack(certificates, 1).clamp_max(1.0).mean(dim=(1, 2))
+
+
+def _bias_multipliers(keep: torch.Tensor, dither_bits: int, like: torch.Tensor) -> torch.Tensor:
+    """``kappa`` (``reference.bias_multiplier``) of each candidate ``keep`` ``[C, D]``, from its quantized channels."""
+    channels = keep.sum(-1).tolist()
+    return torch.tensor([reference.bias_multiplier(dither_bits, int(d)) for d in channels], dtype=like.dtype)
 
 
 @dataclass(frozen=True)
@@ -255,8 +260,8 @@ def _second_moment_score(
     prepared: list[tuple[torch.Tensor, ...]], keep: torch.Tensor, *, group_size: int, sm_scale: float, delta: float,
     dither_bits: int = 8,
 ) -> torch.Tensor:  # fmt: skip
-    """The P bound in its small-radius form, ``sqrt(sum_t p_t u_t^2) / 2`` with ``u_t = c sigma_t``, averaged over
-    every segment's queries, per candidate ``keep`` ``[C, D]``: ``[C]``.
+    """The P bound in its small-radius form, ``sqrt(sum_t p_t u_t^2) / 2`` with ``u_t = (c + kappa) sigma_t``,
+    averaged over every segment's queries, per candidate ``keep`` ``[C, D]``: ``[C]``.
 
     ``B = sum_t p_t g(u_t) ~ sum_t p_t u_t^2 / 2`` for small radii, and ``sum_t p_t sigma_t^2`` is linear in the
     squared scales: one product ``[Q, G_q, N] x [C, N, G]`` per candidate set instead of section 3's
@@ -269,7 +274,8 @@ def _second_moment_score(
         masked_q = queries[None] * keep[:, None, None, :].to(queries.dtype)
         q_sq = masked_q.unflatten(-1, (-1, group_size)).square().sum(-1)  # [C, Q, Gq, G]
         tail = torch.tensor([reference.tail_multiplier(int(n), delta) for n in lengths.tolist()], dtype=keys.dtype)
-        second_moment = tail[None, :, None].square() * sm_scale**2 * (q_sq * weighted).sum(-1) / 12.0
+        multiplier = tail[None, :] + _bias_multipliers(keep, dither_bits, keys)[:, None]  # [C, Q]
+        second_moment = multiplier[:, :, None].square() * sm_scale**2 * (q_sq * weighted).sum(-1) / 12.0
         total = total + (second_moment.sqrt() / 2.0).sum(dim=(1, 2))
         count += queries.shape[0] * queries.shape[1]
     return total / count

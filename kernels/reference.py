@@ -550,12 +550,17 @@ def mul_nonneg(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(a * 1.0, math.inf), a * b)
 
 
-def radius_multiplier(num_tokens: int, delta: float, dither_bits: int, quantized_channels: int) -> float:
-    """``c + kappa``: every logit's radius ``c sigma_t + bias_t`` is at most ``(c + kappa) sigma_t`` with
-    ``kappa = beta sqrt(12 D_q)``, ``D_q`` the head's quantized channels (THEORY.md section 2)."""
+def bias_multiplier(dither_bits: int, quantized_channels: int) -> float:
+    """``kappa = beta sqrt(12 D_q)``: the dither's bias ``bias_t`` is at most ``kappa sigma_t`` for a head with
+    ``D_q`` quantized channels (THEORY.md section 2)."""
     if quantized_channels < 0:
         raise ValueError(f"quantized_channels must be >= 0, got {quantized_channels}")
-    return tail_multiplier(num_tokens, delta) + fp_slack(dither_bits) * math.sqrt(12.0 * quantized_channels)
+    return fp_slack(dither_bits) * math.sqrt(12.0 * quantized_channels)
+
+
+def radius_multiplier(num_tokens: int, delta: float, dither_bits: int, quantized_channels: int) -> float:
+    """``c + kappa``: every logit's radius is ``(c + kappa) sigma_t`` (THEORY.md section 2)."""
+    return tail_multiplier(num_tokens, delta) + bias_multiplier(dither_bits, quantized_channels)
 
 
 def logit_sigma(q: torch.Tensor, k: QuantizedKV, *, sm_scale: float, kv_head_of_query: torch.Tensor) -> torch.Tensor:

@@ -451,9 +451,10 @@ def test_a_cell_is_a_blocks_tokens_with_the_same_position_mod_8():
     acc = ref.accumulate_certificate(probs, radius)
     moment = 0.2 * 0.02**2 + 0.3 * 0.05**2
     u = math.sqrt(0.5 * moment) + 0.1 * 0.03
-    b = float(ref.h_of(torch.tensor(0.05, dtype=torch.float64))) * moment + float(
-        ref.expm1_minus_x(torch.tensor(0.03, dtype=torch.float64))
-    ) * 0.1
+    b = (
+        float(ref.h_of(torch.tensor(0.05, dtype=torch.float64))) * moment
+        + float(ref.expm1_minus_x(torch.tensor(0.03, dtype=torch.float64))) * 0.1
+    )
     assert float(acc.p_max[0]) == 0.4 and float(acc.u_max[0]) == 0.1
     assert float(acc.u_rest[0]) == pytest.approx(u, rel=1e-12)
     assert float(acc.b_rest[0]) == pytest.approx(b, rel=1e-12)

@@ -1,8 +1,12 @@
-"""What cheaper certificates would cost in tightness, on a trained model.
+"""What cheaper certificates cost in tightness, on a trained model, against per-token sums.
 
-Every variant is sound: it bounds each of section 3's accumulators (THEORY.md) from above, and the bounds only add
-and multiply them, so the certificate stays a bound on ``TV(p, p~)`` on the same event ``|d_t| <= u_t``. What each
-saves in the kernel is the per-token work of the certificate; what it costs is tightness, measured here.
+``per_token`` is section 3's sums taken token by token (THEORY.md) with the radius ``c sigma_t + bias_t`` and the
+global argmax held apart; ``certificate`` is the product's (``reference.accumulate_certificate``: cells, the end
+tiles' argmax, the radius ``(c + kappa) sigma_t`` with one ``kappa`` per head dimension). Every variant is sound: it
+bounds each of section 3's accumulators from above, and the bounds only add and multiply them, so the certificate
+stays a bound on ``TV(p, p~)`` on the same event ``|d_t| <= u_t``. What each saves in the kernel is the per-token
+work of the certificate; what it costs is tightness, measured here. The variants below take the per-token radius
+and, for the moments, ``c + kappa`` with ``kappa`` per head (``RadiusParts.c_hat``):
 
 * ``block32``, ``block128`` (``whatif_stage1.py blockradius``): every token of a block of 32 (128) consecutive
   tokens takes the block's largest radius, the held-apart token too; ``..._held`` keeps the held-apart token's own.
@@ -71,6 +75,7 @@ TAUS = (0.01, 0.05, 0.1, 0.2)
 # The summary's entries that describe the run rather than a variant.
 _FACTS = ("certificates", "kappa_over_c")
 VARIANTS = (
+    "certificate",
     "block32",
     "block32_held",
     "block128",
@@ -125,6 +130,10 @@ class RadiusParts:
     def sigma_sq(self) -> torch.Tensor:
         return (self.scales.square() * self.a[:, None, :]).sum(-1)  # [H_q, S]
 
+    def per_token_radius(self) -> torch.Tensor:
+        """``c sigma_t + bias_t`` ``[H_q, S]``: THEORY.md section 2's radius before ``kappa``."""
+        return self.c * self.sigma_sq().sqrt() + (self.scales * self.b[:, None, :]).sum(-1)
+
     def c_hat(self) -> torch.Tensor:
         """``c + kappa``: ``u_t <= c_hat sigma_t`` for every token (Cauchy-Schwarz over the groups)."""
         kappa_sq = torch.where(self.a > 0, self.b.square() / self.a.clamp_min(1e-300), 0.0).sum(-1)
@@ -147,6 +156,21 @@ def block_argmaxes(candidates: torch.Tensor, at_ends: torch.Tensor) -> torch.Ten
     picked = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, first, True)
     in_ends = _blocks(at_ends.expand_as(candidates).to(candidates.dtype), 32) > 0
     return (picked & in_ends).flatten(-2)[..., :num_tokens]
+
+
+def per_token_accumulators(
+    probs: torch.Tensor, radius: torch.Tensor, held: torch.Tensor | None = None
+) -> reference.CertificateAccumulators:
+    """Section 3's sums token by token, ``held`` ``[...]`` (default: the first argmax of ``probs``) held apart."""
+    argmax = probs.argmax(-1, keepdim=True) if held is None else held[..., None].to(torch.int64)
+    p_max = probs.gather(-1, argmax).squeeze(-1)
+    u_max = radius.gather(-1, argmax).squeeze(-1)
+    rest = torch.ones_like(probs, dtype=torch.bool).scatter(-1, argmax, False)
+    zero = torch.zeros((), dtype=probs.dtype)
+    b_rest = torch.where(rest, reference.mul_nonneg(probs, reference.expm1_minus_x(radius)), zero).sum(-1)
+    u_rest = torch.where(rest, reference.mul_nonneg(probs, radius), zero).sum(-1)
+    return reference.CertificateAccumulators(u_rest + b_rest, b_rest, u_rest, torch.where(rest, probs, zero).sum(-1),
+                                             p_max, u_max)  # fmt: skip
 
 
 def without_held(terms: reference.CertificateTerms) -> torch.Tensor:
@@ -193,16 +217,17 @@ def moments_certificate(
     terms = reference.certificate_from_accumulators(u_rest + b_rest, b_rest, u_rest, rest.sum(-1), p_max, u_max)
     if no_held:
         return without_held(terms)
-    if not bool((radius.double() <= c_hat * parts.sigma_sq().sqrt() * (1 + 1e-6) + 1e-30).all()):
+    if not bool((radius.double() <= c_hat * sigma_sq.sqrt() * (1 + 1e-6) + 1e-30).all()):
         raise SystemExit("a radius exceeds (c + kappa) sigma: the Cauchy-Schwarz step is off")
     return terms.certificate
 
 
 class Interception:
     """Wraps ``reference.logit_radius`` (to keep its parts) and ``reference.accumulate_certificate`` (to return what
-    it returns, and record every variant's certificate beside it)."""
+    it returns, and record the per-token certificate and every variant's beside it)."""
 
     def __init__(self) -> None:
+        self.product: list[torch.Tensor] = []
         self.per_token: list[torch.Tensor] = []
         self.kappa_over_c: list[torch.Tensor] = []
         self.variants: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
@@ -215,26 +240,33 @@ class Interception:
         self.kappa_over_c.append(self._parts.c_hat() / self._parts.c - 1.0)
         return self._radius(q, k, sm_scale=sm_scale, delta=delta, kv_head_of_query=kv_head_of_query)
 
-    def accumulate(self, probs: torch.Tensor, radius: torch.Tensor, held: torch.Tensor | None = None):
-        accumulators = self._accumulate(probs, radius, held)
-        self.per_token.append(accumulators.certificate.double())
-        argmax = (probs.argmax(-1) if held is None else held.to(torch.int64))[..., None]
+    def accumulate(self, probs: torch.Tensor, radius: torch.Tensor, exact: torch.Tensor | None = None):
+        if exact is not None:
+            raise SystemExit("exact tokens in observe mode: the interception covers the quantized tokens alone")
+        accumulators = self._accumulate(probs, radius)
+        self.product.append(accumulators.certificate.double())
+        self.variants["certificate"].append(accumulators.certificate.double())
+        # The per-token radius, 0 where the product's is (tokens not read).
+        radius = torch.where(radius > 0, self._parts.per_token_radius().to(probs.dtype), 0.0)
+        per_token = per_token_accumulators(probs, radius)
+        self.per_token.append(per_token.certificate.double())
+        argmax = probs.argmax(-1, keepdim=True)
         for block in (32, 128):
             looser = block_max(radius, block)
-            self.variants[f"block{block}"].append(self._accumulate(probs, looser, held).certificate.double())
+            self.variants[f"block{block}"].append(per_token_accumulators(probs, looser).certificate.double())
             looser = looser.scatter(-1, argmax, radius.gather(-1, argmax))
-            self.variants[f"block{block}_held"].append(self._accumulate(probs, looser, held).certificate.double())
+            self.variants[f"block{block}_held"].append(per_token_accumulators(probs, looser).certificate.double())
         self.variants["moments32"].append(moments_certificate(probs, radius, self._parts, argmax, False))
         self.variants["moments_thread"].append(moments_certificate(probs, radius, self._parts, argmax, True))
-        self.variants["no_held"].append(without_held(accumulators.terms).double())
+        self.variants["no_held"].append(without_held(per_token.terms).double())
         first = torch.zeros_like(argmax)
-        self.variants["held_first"].append(self._accumulate(probs, radius, first[..., 0]).certificate.double())
+        self.variants["held_first"].append(per_token_accumulators(probs, radius, first[..., 0]).certificate.double())
         self.variants["moments_thread_held_first"].append(moments_certificate(probs, radius, self._parts, first, True))
         position = torch.arange(probs.shape[-1])
         at_ends = (position < ENDS) | (position >= (probs.shape[-1] - 1) // ENDS * ENDS)
         candidates = probs.masked_fill(~at_ends, -1.0)
         ends = candidates.argmax(-1, keepdim=True)
-        self.variants["held_ends"].append(self._accumulate(probs, radius, ends[..., 0]).certificate.double())
+        self.variants["held_ends"].append(per_token_accumulators(probs, radius, ends[..., 0]).certificate.double())
         self.variants["moments_thread_held_ends"].append(
             moments_certificate(probs, radius, self._parts, ends, True, alone=block_argmaxes(candidates, at_ends))
         )
@@ -268,13 +300,13 @@ def run_case(model, prompt: torch.Tensor, forced: torch.Tensor, policy: CachePol
         for t in range(forced.shape[1]):
             model(input_ids=forced[:, t : t + 1], use_cache=True, **{kwarg: cache})
     # One reference call per (layer, row); the audit has one [B = 1, H_q] entry per layer call, in the same order.
-    per_token = torch.stack(seen.per_token).flatten()
+    product = torch.stack(seen.product).flatten()
     audited = torch.stack(audit.certificate).flatten()
-    if not torch.allclose(per_token, audited, rtol=1e-6, atol=0):
+    if not torch.allclose(product, audited, rtol=1e-6, atol=0):
         raise SystemExit("the intercepted certificates are not the ones the cache reported: the interception is off")
     return {
         "true_tv": torch.stack(audit.true_tv).flatten().tolist(),
-        "per_token": per_token.tolist(),
+        "per_token": torch.stack(seen.per_token).flatten().tolist(),
         "kappa_over_c": torch.cat(seen.kappa_over_c).tolist(),
         "variants": {name: torch.stack(v).flatten().tolist() for name, v in seen.variants.items()},
     }
