@@ -9,8 +9,9 @@ accumulation, so the output matches the float32 reference as decode's does. Spli
 ``decode_stage2``, the query tokens being its rows.
 
 With the certificate, each row (a new token and a head) gets decode's accumulators over the keys it sees,
-with its own length in the tail multiplier, and stage 2 evaluates them. Covered: 8-bit dithers, V rounded
-to nearest, no outlier channels (``attention.extend_attention`` sends everything else to the per-row path).
+with its own length in the radius multiplier and its own end tiles (where its singletons and held token lie),
+and stage 2 evaluates them. Covered: 8-bit dithers, V rounded to nearest, no outlier channels
+(``attention.extend_attention`` sends everything else to the per-row path).
 Imported lazily, like ``triton_kernels``.
 """
 
@@ -22,12 +23,13 @@ import triton.language as tl
 from witcert.kernels.triton_kernels import (
     FP32_INF,
     P_SCALE,
-    add_radius_terms,
+    add_sigma_terms,
     certificate_tile,
     channel_dither_term,
+    end_tile_start,
+    live_sigma_sq,
     pv_nearest,
     qk_group,
-    radius_from_terms,
     softmax_tile,
     store_certificate_partials,
     tile_slots,
@@ -62,7 +64,7 @@ def extend_stage1(
     stride_qh,
     sm_scale,
     log_two_over_delta,
-    beta,
+    kappa,
     NUM_KV_HEADS: tl.constexpr,
     KV_GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -112,16 +114,22 @@ def extend_stage1(
     running_max = tl.full((ROWS,), -FP32_INF, tl.float32)
     running_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-    # The certificate: each row's tail multiplier from its own length (THEORY.md section 2), the rest sums
-    # over tokens other than the running argmax, and u and g at that argmax.
+    # The certificate: each row's radius multiplier chat = c + kappa, c from the row's own length (THEORY.md
+    # section 2), and its own end tiles, where its singletons lie: the rows' lengths differ, so a mask per row says
+    # which tokens are its end tokens (certificate_tile skips the argmaxes only on a tile that holds no row's end
+    # token). Then the rest sums over tokens other than the one held apart, and that token's logit, u and g.
     tail = tl.sqrt(2.0 * (tl.log(tl.maximum(row_limit, 1).to(tl.float32)) + log_two_over_delta))
+    chat = tail + kappa
+    last_start = end_tile_start(row_limit)[:, None]
+    # The block's first row has the shortest length: a tile past its last start holds no row's end tokens.
+    earliest_last_start = end_tile_start(prefix + first + 1)
     sigma_coef = sm_scale * sm_scale / 12.0
-    bias_coef = sm_scale * beta
     b_rest = tl.zeros((ROWS,), tl.float32)
     u_rest = tl.zeros((ROWS,), tl.float32)
     w_rest = tl.zeros((ROWS,), tl.float32)
-    u_max = tl.zeros((ROWS,), tl.float32)
-    g_max = tl.zeros((ROWS,), tl.float32)
+    held_logit = tl.full((ROWS,), -FP32_INF, tl.float32)
+    u_held = tl.zeros((ROWS,), tl.float32)
+    g_held = tl.zeros((ROWS,), tl.float32)
     slots_ok = sequence_ok
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
@@ -130,7 +138,6 @@ def extend_stage1(
         base = slots * NUM_KV_HEADS + kv_head
         logits = tl.zeros((ROWS, BLOCK_N), tl.float32)
         sigma_sq = tl.zeros((ROWS, BLOCK_N), tl.float32)
-        bias = tl.zeros((ROWS, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
@@ -141,16 +148,15 @@ def extend_stage1(
             scale_g = tl.sum(tl.where(groups[None, :] == g, k_scales, 0.0), axis=1)
             logits += part * scale_g[None, :]
             if CERTIFICATE:
-                sigma_sq, bias = add_radius_terms(sigma_sq, bias, q_g.to(tl.float32), scale_g, sigma_coef, bias_coef)
+                sigma_sq = add_sigma_terms(sigma_sq, q_g.to(tl.float32), scale_g, sigma_coef)
         visible = token_ok[None, :] & (offs[None, :] < row_limit[:, None])
         logits = tl.where(visible, logits * sm_scale, -FP32_INF)
 
-        tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
+        new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
         if CERTIFICATE:
-            radius = tl.where(visible, radius_from_terms(tail[:, None], sigma_sq, bias), 0.0)
-            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
-                BLOCK_N, INTERPRETED,
+            b_rest, u_rest, w_rest, held_logit, u_held, g_held = certificate_tile(
+                logits, weights, live_sigma_sq(sigma_sq, visible), chat, start, last_start, earliest_last_start,
+                shift, alpha, b_rest, u_rest, w_rest, held_logit, u_held, g_held, BLOCK_N, INTERPRETED,
             )  # fmt: skip
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
@@ -168,6 +174,6 @@ def extend_stage1(
     tl.store(PartLse + part_row, lse, mask=row_ok)
     if CERTIFICATE:
         store_certificate_partials(
-            PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, row_ok, running_max, safe_sum, poison,
-            b_rest, u_rest, w_rest, u_max,
+            PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, row_ok, held_logit, safe_sum, poison,
+            b_rest, u_rest, w_rest, u_held,
         )  # fmt: skip

@@ -31,6 +31,13 @@ FP32_INF = tl.constexpr(float("inf"))
 P_SCALE = tl.constexpr(16384.0)
 # NaN is written inline as inf - inf: a NaN global never equals itself, which Triton reads as a changed global.
 
+# Where the certificate's sums are taken together (reference.CELL_BLOCK, CELL_STRIDE, END_TILE): a cell is the
+# tokens r, r + 8, r + 16, r + 24 of a 32-token block (from the row's start), and the token held apart is found
+# among the row's first and last tiles of 128 tokens alone.
+CELL_BLOCK = tl.constexpr(32)
+CELL_STRIDE = tl.constexpr(8)
+END_TILE = tl.constexpr(128)
+
 
 # Counter word 1 of a Philox call: the per-slot part of the dither or a block of its per-channel part
 # (reference.SLOT_PART, reference.CHANNEL_PART).
@@ -169,6 +176,24 @@ def g_of(u, FAST_EXP: tl.constexpr = False):
 
 
 @triton.jit
+def h_of(x, FAST_EXP: tl.constexpr = False):
+    """``h(x) = g(x) / x**2`` for ``x >= 0`` (``reference.h_of``): increasing, 1/2 at 0, +inf where ``g`` overflows.
+
+    Below 0.05 the series ``1/2 + x/6 + x**2/24 + x**3/120 + x**4/720`` (Horner's form; truncation below 2e-10
+    relative), so that ``x**2`` never underflows into the division; from 0.05 on ``g_of(x) / x**2``, within
+    ``g_of``'s error. Where ``g`` overflows (``x`` above 88, or +inf) the quotient would be ``inf / x**2`` or
+    ``inf / inf``: +inf, never NaN. ``FAST_EXP`` as in ``g_of``."""
+    series = x * (1.0 / 720.0) + 1.0 / 120.0
+    series = series * x + 1.0 / 24.0
+    series = series * x + 1.0 / 6.0
+    series = series * x + 0.5
+    small = x < 0.05
+    safe = tl.where(small, 1.0, x)
+    g = g_of(safe, FAST_EXP)
+    return tl.where(small, series, tl.where(g == FP32_INF, g, g / (safe * safe)))
+
+
+@triton.jit
 def expm1_and_g(u):
     """``(expm1(u), g(u))`` for ``u >= 0``: ``expm1 = g + u``, a sum of non-negative terms."""
     g = g_of(u)
@@ -216,39 +241,20 @@ def split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS: tl.const
 
 
 @triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    """The combine of one four-operand reduction: the operands share its lane exchanges and barriers."""
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+def _add3(a0, a1, a2, b0, b1, b2):
+    """The combine of one three-operand sum: the operands share its lane exchanges and barriers."""
+    return a0 + b0, a1 + b1, a2 + b2
 
 
 @triton.jit
-def tile_rest_sums(weights, radius, g_u, is_arg, INTERPRETED: tl.constexpr):
-    """``(u_arg, B, U, P)`` of one tile (sums over axis 1): the radius of its argmax (``is_arg``), and the sums
-    of ``p g(u)``, ``p u`` and ``p`` over its other tokens. Masked-off tokens need no mask: their weight and
-    radius are 0. Compiled, one four-operand reduction; interpreted, four sums (the interpreter runs a
-    reduction's combine function once per element in Python)."""
-    rest_weights = tl.where(is_arg, 0.0, weights)
-    terms = (tl.where(is_arg, radius, 0.0), weights * tl.where(is_arg, 0.0, g_u), rest_weights * radius, rest_weights)
-    if INTERPRETED:
-        u_arg, tile_b = tl.sum(terms[0], axis=1), tl.sum(terms[1], axis=1)
-        tile_u, tile_w = tl.sum(terms[2], axis=1), tl.sum(terms[3], axis=1)
-    else:
-        u_arg, tile_b, tile_u, tile_w = tl.reduce(terms, 1, _add4)
-    return u_arg, inf_where_nan(tile_b), inf_where_nan(tile_u), tile_w
-
-
-@triton.jit
-def fold_rest(rest, alpha, tile, moved, weight_arg, held, arg):
-    """One rest sum (over tokens other than the running argmax) after a tile: the old sum rescaled by
-    ``alpha``, the tile's own rest terms, and the token that stops being held apart. When the argmax moved
-    into the tile, the old argmax's term ``held`` (weight ``alpha`` in the new frame) joins the sums; else
-    the tile's argmax's term ``arg`` (weight ``weight_arg``) does. Every part is non-negative."""
-    return weighted(alpha, rest) + tile + tl.where(moved, weighted(alpha, held), weighted(weight_arg, arg))
+def _cell_combine(w0, m0, l0, w1, m1, l1):
+    """The combine of a cell's ``(W, M, largest)``: two sums and a maximum."""
+    return w0 + w1, m0 + m1, tl.maximum(l0, l1)
 
 
 @triton.jit
 def softmax_tile(logits, running_max, running_sum):
-    """One tile of the online softmax over axis 1: ``(tile_max, new_max, shift, alpha, weights, running_sum)``,
+    """One tile of the online softmax over axis 1: ``(new_max, shift, alpha, weights, running_sum)``,
     the weights ``exp(logits - shift)`` and ``alpha`` rescaling what came before. A row that has seen no
     live token yet (all masked or skipped) keeps its max at -inf and shifts by 0, so it adds nothing."""
     tile_max = tl.max(logits, axis=1)
@@ -256,67 +262,171 @@ def softmax_tile(logits, running_max, running_sum):
     shift = tl.where(new_max == -FP32_INF, 0.0, new_max)
     alpha = tl.exp(running_max - shift)
     weights = tl.exp(logits - shift[:, None])
-    return tile_max, new_max, shift, alpha, weights, running_sum * alpha + tl.sum(weights, axis=1)
+    return new_max, shift, alpha, weights, running_sum * alpha + tl.sum(weights, axis=1)
 
 
 @triton.jit
-def add_radius_terms(sigma_sq, bias, q_g, scale_g, sigma_coef, bias_coef):
-    """``sigma^2`` and the bias of the radius ``[rows, N]`` (THEORY.md section 2) plus one channel group's
-    terms: ``sm^2 |q_g|^2 s_g^2 / 12`` and ``sm beta |q_g|_1 s_g`` (``q_g`` float32, exact channels zeroed)."""
-    # The coefficients go on q's per-row sums (loop-invariant, hoisted), not on every token.
+def add_sigma_terms(sigma_sq, q_g, scale_g, sigma_coef):
+    """``sigma^2`` of the radius ``[rows, N]`` (THEORY.md section 2) plus one channel group's term
+    ``sm^2 |q_g|^2 s_g^2 / 12`` (``q_g`` float32, exact channels zeroed)."""
+    # The coefficient goes on q's per-row sums (loop-invariant, hoisted), not on every token.
     q_sq = tl.sum(q_g * q_g, axis=1) * sigma_coef
-    sigma_sq += q_sq[:, None] * (scale_g * scale_g)[None, :]
-    bias += (tl.sum(tl.abs(q_g), axis=1) * bias_coef)[:, None] * scale_g[None, :]
-    return sigma_sq, bias
+    return sigma_sq + q_sq[:, None] * (scale_g * scale_g)[None, :]
 
 
 @triton.jit
-def radius_from_terms(tail, sigma_sq, bias):
-    """``u = c sigma + bias``. The terms are NaN through ``0 * inf``: a zero group scale (an all-zero key group)
-    against a query whose ``|q_g|^2`` overflowed float32. The reference's radius is then +inf (``mul_nonneg``),
-    and so is this one. (A NaN scale, a NaN key written unvalidated, also gives +inf here; its logit is NaN,
-    which poisons the row's output and sums anyway.)"""
-    return inf_where_nan(tail * tl.sqrt(sigma_sq) + bias)
+def live_sigma_sq(sigma_sq, live):
+    """``sigma^2`` where ``live``, 0 elsewhere (a token not read has no radius). A term is NaN through
+    ``0 * inf``: a zero group scale (an all-zero key group) against a query whose ``|q_g|^2`` overflowed float32.
+    The reference's sigma is then +inf (``mul_nonneg``), and so is this one. (A NaN scale, a NaN key written
+    unvalidated, also gives +inf here; its logit is NaN, which poisons the row's output and sums anyway.)"""
+    return tl.where(live, inf_where_nan(sigma_sq), 0.0)
+
+
+@triton.jit
+def end_tile_start(num_tokens):
+    """The first position of the last tile of ``END_TILE`` of a row of ``num_tokens`` (>= 1) tokens:
+    ``((S - 1) // END_TILE) * END_TILE``. A row's end tokens are the positions below ``END_TILE`` and from
+    there on (``reference.end_tokens``)."""
+    return (tl.maximum(num_tokens - 1, 0) // END_TILE) * END_TILE
+
+
+@triton.jit
+def cell_sums(weights, moments, sigma_sq, chat, N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``(U, B, P)`` of one tile's cells (THEORY.md section 3), per row: ``U = chat sum sqrt(W M)``, ``B = chat^2
+    sum h(chat sqrt(largest)) M`` and ``P = sum W`` over the cells, ``W`` and ``M`` the sums of ``weights`` and
+    ``moments`` (``p sigma^2``) over a cell's tokens and ``largest`` its largest ``sigma^2``.
+
+    A token ``j = 8 i + r`` of a 32-token block is in cell ``r``: the ``[rows, N]`` tile as ``[rows, N / 32, 4, 8]``,
+    summed over the axis of 4. ``sum p u <= sqrt(W sum p u^2)`` (Cauchy-Schwarz over the cell's tokens) and
+    ``g(u) = h(u) u^2 <= h(u_cell) u^2`` (``h`` increasing) bound the cell's terms of ``U`` and ``B``. A NaN from
+    ``0 * inf`` (a weight that underflowed beside an overflowed radius) reads as +inf, as in the reference."""
+    ROWS: tl.constexpr = weights.shape[0]
+    BLOCKS: tl.constexpr = N // CELL_BLOCK
+    FAST_EXP: tl.constexpr = not INTERPRETED
+    shape: tl.constexpr = (ROWS, BLOCKS, CELL_BLOCK // CELL_STRIDE, CELL_STRIDE)
+    cell_w = tl.reshape(weights, shape)
+    cell_m = tl.reshape(moments, shape)
+    cell_l = tl.reshape(sigma_sq, shape)
+    if INTERPRETED:
+        # The interpreter runs a reduction's combine function once per element in Python: plain reductions.
+        cell_w, cell_m, cell_l = tl.sum(cell_w, axis=2), tl.sum(cell_m, axis=2), tl.max(cell_l, axis=2)
+    else:
+        cell_w, cell_m, cell_l = tl.reduce((cell_w, cell_m, cell_l), 2, _cell_combine)
+    u_cells = tl.reshape(tl.sqrt(cell_w * cell_m), (ROWS, BLOCKS * CELL_STRIDE))
+    largest = chat[:, None, None] * tl.sqrt(cell_l)
+    b_cells = tl.reshape(h_of(largest, FAST_EXP) * cell_m, (ROWS, BLOCKS * CELL_STRIDE))
+    w_cells = tl.reshape(cell_w, (ROWS, BLOCKS * CELL_STRIDE))
+    if INTERPRETED:
+        tile_u, tile_b, tile_w = tl.sum(u_cells, axis=1), tl.sum(b_cells, axis=1), tl.sum(w_cells, axis=1)
+    else:
+        tile_u, tile_b, tile_w = tl.reduce((u_cells, b_cells, w_cells), 1, _add3)
+    return inf_where_nan(chat * tile_u), inf_where_nan((chat * chat) * tile_b), tile_w
+
+
+@triton.jit
+def end_singletons(
+    logits, sigma_sq, ends, chat, shift, held_logit, u_held, g_held, N: tl.constexpr, INTERPRETED: tl.constexpr
+):  # fmt: skip
+    """The singletons of one tile: in each 32-token block of the end tokens (``ends``), the first argmax by logit,
+    whose terms are exact (THEORY.md section 3). Returns ``(singleton, U, B, P, held_logit, u_held, g_held)``: the
+    ``[rows, N]`` mask of the singletons, the terms ``p u``, ``p g(u)`` and ``p`` that join the rest sums, and the
+    token held apart after the tile.
+
+    The held token is the first argmax among the singletons: the tile's first block argmax replaces it only on a
+    strictly larger logit (first-argmax semantics, since tiles come in sequence order), and then the token held
+    so far joins the rest sums; otherwise that block argmax does. Every other singleton joins them. A block with
+    no live token has weight 0 and sigma 0: it adds nothing and is never held (its max is -inf)."""
+    ROWS: tl.constexpr = logits.shape[0]
+    BLOCKS: tl.constexpr = N // CELL_BLOCK
+    FAST_EXP: tl.constexpr = not INTERPRETED
+    candidates = tl.reshape(tl.where(ends, logits, -FP32_INF), (ROWS, BLOCKS, CELL_BLOCK))
+    block_max = tl.max(candidates, axis=2)
+    # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
+    index = tl.arange(0, CELL_BLOCK)[None, None, :]
+    first = tl.min(tl.where(candidates == block_max[:, :, None], index, CELL_BLOCK), axis=2)
+    singleton = (index == first[:, :, None]) & (block_max > -FP32_INF)[:, :, None]
+    sigma_sq_single = tl.sum(tl.where(singleton, tl.reshape(sigma_sq, (ROWS, BLOCKS, CELL_BLOCK)), 0.0), axis=2)
+    w_single = tl.exp(block_max - shift[:, None])
+    u_single = chat[:, None] * tl.sqrt(sigma_sq_single)
+    g_single = g_of(u_single, FAST_EXP)
+
+    tile_best = tl.max(block_max, axis=1)
+    block = tl.arange(0, BLOCKS)[None, :]
+    best_block = tl.min(tl.where(block_max == tile_best[:, None], block, BLOCKS), axis=1)
+    moved = tile_best > held_logit
+    held_here = (block == best_block[:, None]) & moved[:, None]
+    single_u = tl.sum(tl.where(held_here, 0.0, weighted(w_single, u_single)), axis=1)
+    single_b = tl.sum(tl.where(held_here, 0.0, weighted(w_single, g_single)), axis=1)
+    single_w = tl.sum(tl.where(held_here, 0.0, w_single), axis=1)
+    # The token held so far, in the tile's frame (weight 0 while none is held).
+    w_old = tl.exp(held_logit - shift)
+    single_u += tl.where(moved, weighted(w_old, u_held), 0.0)
+    single_b += tl.where(moved, weighted(w_old, g_held), 0.0)
+    single_w += tl.where(moved, w_old, 0.0)
+    u_new = tl.sum(tl.where(held_here, u_single, 0.0), axis=1)
+    g_new = tl.sum(tl.where(held_here, g_single, 0.0), axis=1)
+    return (
+        tl.reshape(singleton, (ROWS, N)),
+        inf_where_nan(single_u),
+        inf_where_nan(single_b),
+        single_w,
+        tl.where(moved, tile_best, held_logit),
+        tl.where(moved, u_new, u_held),
+        tl.where(moved, g_new, g_held),
+    )
 
 
 @triton.jit
 def certificate_tile(
-    logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
-    N: tl.constexpr, INTERPRETED: tl.constexpr,
+    logits, weights, sigma_sq, chat, start, last_start, earliest_last_start, shift, alpha, b_rest, u_rest, w_rest,
+    held_logit, u_held, g_held, N: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """The certificate's running state ``(B_rest, U_rest, P_rest, u_max, g_max)`` per row after one tile of
-    ``N`` tokens: the tile's rest sums, and the argmax held apart (THEORY.md section 3). Compiled, ``g``'s
-    exponential is the fast one (``g_of``; the interpreter cannot run its inline asm)."""
-    FAST_EXP: tl.constexpr = not INTERPRETED
-    # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
-    index = tl.arange(0, N)[None, :]
-    tile_arg = tl.min(tl.where(logits == tile_max[:, None], index, N), axis=1)
-    is_arg = index == tile_arg[:, None]
-    u_arg, tile_b, tile_u, tile_w = tile_rest_sums(weights, radius, g_of(radius, FAST_EXP), is_arg, INTERPRETED)
-    g_arg = g_of(u_arg, FAST_EXP)
-    weight_arg = tl.exp(tile_max - shift)
-    # The argmax moves into this tile only on a strictly larger logit (first-argmax semantics).
-    moved = tile_max > running_max
-    b_rest = fold_rest(b_rest, alpha, tile_b, moved, weight_arg, g_max, g_arg)
-    u_rest = fold_rest(u_rest, alpha, tile_u, moved, weight_arg, u_max, u_arg)
-    # The old argmax token weighs alpha in the new frame; a non-moving tile's argmax weighs weight_arg.
-    w_rest = w_rest * alpha + tile_w + tl.where(moved, alpha, weight_arg)
-    return b_rest, u_rest, w_rest, tl.where(moved, u_arg, u_max), tl.where(moved, g_arg, g_max)
+    """The certificate's running state ``(B_rest, U_rest, P_rest, held_logit, u_held, g_held)`` per row after one
+    tile of ``N`` tokens at positions ``start ..`` of the row (THEORY.md section 3): the rest sums (weights relative
+    to the running max, rescaled by ``alpha``) and the token held apart, with its own logit (the running max moves
+    on tiles between the ends, the held token does not).
+
+    ``sigma_sq`` is 0 where a token is not live (``live_sigma_sq``), ``chat = c + kappa`` per row. ``last_start``:
+    each row's ``end_tile_start`` (a scalar where the rows share their length, else ``[rows, 1]``), and
+    ``earliest_last_start`` the smallest of them. A tile with no end token in any row takes no argmax at all:
+    its tokens all sit in cells. In one with end tokens the first argmax of each 32-token block of them is a
+    singleton (``end_singletons``), left out of its cell."""
+    tl.static_assert(N // CELL_BLOCK * CELL_BLOCK == N, "a tile holds whole 32-token blocks")
+    singleton = tl.zeros(logits.shape, tl.int1)
+    b_rest = weighted(alpha, b_rest)
+    u_rest = weighted(alpha, u_rest)
+    w_rest = w_rest * alpha
+    if (start < END_TILE) | (start + N > earliest_last_start):
+        positions = start + tl.arange(0, N)[None, :]
+        ends = (positions < END_TILE) | (positions >= last_start)
+        singleton, single_u, single_b, single_w, held_logit, u_held, g_held = end_singletons(
+            logits, sigma_sq, ends, chat, shift, held_logit, u_held, g_held, N, INTERPRETED
+        )
+        b_rest += single_b
+        u_rest += single_u
+        w_rest += single_w
+    # The product is masked, not the weight: a singleton's 0 * inf is no cell's term.
+    moments = tl.where(singleton, 0.0, weights * sigma_sq)
+    cell_weights = tl.where(singleton, 0.0, weights)
+    tile_u, tile_b, tile_w = cell_sums(cell_weights, moments, sigma_sq, chat, N, INTERPRETED)
+    return b_rest + tile_b, u_rest + tile_u, w_rest + tile_w, held_logit, u_held, g_held
 
 
 @triton.jit
 def store_certificate_partials(
-    PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, mask, running_max, safe_sum, poison, b_rest,
-    u_rest, w_rest, u_max,
+    PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, mask, held_logit, safe_sum, poison, b_rest,
+    u_rest, w_rest, u_held,
 ):  # fmt: skip
-    """A split's certificate partials for stage 2: its max logit, ``A1_rest = B_rest + U_rest``, ``B_rest``,
-    ``U_rest`` and ``P_rest`` normalised by the split's sum of weights, and ``u`` at its argmax."""
-    tl.store(PartMax + part_row, running_max + poison, mask=mask)
+    """A split's certificate partials for stage 2: the logit of the token it holds apart (-inf where it holds
+    none), ``A1_rest = B_rest + U_rest``, ``B_rest``, ``U_rest`` and ``P_rest`` normalised by the split's sum of
+    weights, and ``u`` at its held token (0 where none)."""
+    tl.store(PartMax + part_row, held_logit + poison, mask=mask)
     tl.store(PartA1 + part_row, (b_rest + u_rest) / safe_sum + poison, mask=mask)
     tl.store(PartB + part_row, b_rest / safe_sum + poison, mask=mask)
     tl.store(PartURest + part_row, u_rest / safe_sum + poison, mask=mask)
     tl.store(PartPRest + part_row, w_rest / safe_sum + poison, mask=mask)
-    tl.store(PartU + part_row, u_max + poison, mask=mask)
+    tl.store(PartU + part_row, u_held + poison, mask=mask)
 
 
 @triton.jit
@@ -656,7 +766,7 @@ def decode_stage1(
     stride_qh,
     sm_scale,
     log_two_over_delta,
-    beta,
+    kappa,
     seed,
     layer,
     NUM_KV_HEADS: tl.constexpr,
@@ -703,9 +813,12 @@ def decode_stage1(
             mask=head_ok[:, None] & outlier_ok[None, :],
             other=0.0,
         )
+    # The radius is chat sigma, chat = c + kappa: the dither's bias is at most kappa sigma (Cauchy-Schwarz over the
+    # groups, THEORY.md section 2). The row's end tiles hold its singletons.
     tail = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_two_over_delta))
+    chat = tl.zeros((BLOCK_H,), tl.float32) + (tail + kappa)
+    last_start = end_tile_start(seq_len)
     sigma_coef = sm_scale * sm_scale / 12.0
-    bias_coef = sm_scale * beta
 
     running_max = tl.full((BLOCK_H,), -FP32_INF, tl.float32)
     running_sum = tl.zeros((BLOCK_H,), tl.float32)
@@ -717,9 +830,10 @@ def decode_stage1(
     b_rest = tl.zeros((BLOCK_H,), tl.float32)
     u_rest = tl.zeros((BLOCK_H,), tl.float32)
     w_rest = tl.zeros((BLOCK_H,), tl.float32)
-    # u at the running argmax, with its g (kept, not recomputed per tile).
-    u_max = tl.zeros((BLOCK_H,), tl.float32)
-    g_max = tl.zeros((BLOCK_H,), tl.float32)
+    # The token m held apart: its logit (-inf while none is held), u and g (kept, not recomputed per tile).
+    held_logit = tl.full((BLOCK_H,), -FP32_INF, tl.float32)
+    u_held = tl.zeros((BLOCK_H,), tl.float32)
+    g_held = tl.zeros((BLOCK_H,), tl.float32)
     slots_ok = row_ok
     if HAS_OUTLIERS:
         acc_outliers = tl.zeros((BLOCK_H, OUTLIERS_PAD), tl.float32)
@@ -744,7 +858,6 @@ def decode_stage1(
         # columns, so nothing is reduced across lanes, and the radius accumulates on the same [H, N] layout.
         logits = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         sigma_sq = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
-        bias = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
         k_scales = tl.load(KScales + base[:, None] * num_groups + groups[None, :]).to(tl.float32)  # [N, NG]
         for g in tl.static_range(num_groups):
             group_channels = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
@@ -768,7 +881,7 @@ def decode_stage1(
                 radius_q_g = q_g.to(tl.float32)
                 if HAS_OUTLIERS:
                     radius_q_g = tl.where(exact_g[None, :], 0.0, radius_q_g)
-                sigma_sq, bias = add_radius_terms(sigma_sq, bias, radius_q_g, scale_g, sigma_coef, bias_coef)
+                sigma_sq = add_sigma_terms(sigma_sq, radius_q_g, scale_g, sigma_coef)
         logits = logits * sm_scale
         if HAS_OUTLIERS:
             k_exact = tl.load(
@@ -781,13 +894,12 @@ def decode_stage1(
             logits += exact_part * sm_scale
         logits = tl.where(token_ok[None, :], logits, -FP32_INF)
 
-        tile_max, new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
+        new_max, shift, alpha, weights, running_sum = softmax_tile(logits, running_max, running_sum)
 
         if CERTIFICATE:
-            radius = tl.where(token_ok[None, :], radius_from_terms(tail, sigma_sq, bias), 0.0)
-            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                logits, weights, radius, tile_max, running_max, shift, alpha, b_rest, u_rest, w_rest, u_max, g_max,
-                BLOCK_N, INTERPRETED,
+            b_rest, u_rest, w_rest, held_logit, u_held, g_held = certificate_tile(
+                logits, weights, live_sigma_sq(sigma_sq, token_ok[None, :]), chat, start, last_start, last_start,
+                shift, alpha, b_rest, u_rest, w_rest, held_logit, u_held, g_held, BLOCK_N, INTERPRETED,
             )  # fmt: skip
 
         v_codes = tl.load(VCodes + base[:, None] * HEAD_DIM + channels[None, :])
@@ -840,8 +952,8 @@ def decode_stage1(
     tl.store(PartLse + part_row, tl.where(empty, -FP32_INF, running_max + tl.log(safe_sum)) + poison, mask=head_ok)
     if CERTIFICATE:
         store_certificate_partials(
-            PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, head_ok, running_max, safe_sum, poison,
-            b_rest, u_rest, w_rest, u_max,
+            PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part_row, head_ok, held_logit, safe_sum, poison,
+            b_rest, u_rest, w_rest, u_held,
         )  # fmt: skip
 
 
@@ -869,6 +981,11 @@ def decode_stage2(
     CERTIFICATE: tl.constexpr,
 ):
     """Merge the splits with LSE weights; evaluate the certificate like ``reference.certificate_from_accumulators``.
+
+    Each split holds one token apart (``PartMax`` its logit, ``PartU`` its radius) or none (-inf and 0). The token
+    held for the row is the one of largest logit, the first split's on ties: in sequence order, the first argmax
+    among all the row's singletons, as in ``reference.accumulate_certificate``. The other splits' held tokens join
+    the rest sums with their exact terms; a split that holds none adds its rest sums alone.
 
     ``Accumulators`` is ``[6, rows, NUM_Q_HEADS]``: ``CertificateAccumulators``' fields in order, one block (the grid's
     rows are its rows), so that the host passes one tensor, not six views."""
@@ -903,7 +1020,7 @@ def decode_stage2(
         live = split_ok & (lse > -FP32_INF)
         winner = tl.argmax(tl.where(live, split_max, -FP32_INF), axis=0, tie_break_left=True)
         is_winner = splits == winner
-        # p~ of each split's own argmax token: exp(max_s - LSE).
+        # p~ of each split's held token: exp(held_s - LSE), 0 where the split holds none (held_s = -inf).
         p_arg = tl.where(live, tl.exp(split_max - tl.where(has_tokens, global_lse, 0.0)), 0.0)
         expm1_parts, g_parts = expm1_and_g(u_parts)
         # norm_s = exp(lse_s - LSE) turns split s's within-split normalisation into the global one.

@@ -307,6 +307,36 @@ def test_programs_per_sm_follow_the_register_caps():
     assert LaunchConfig(maxnreg=168).programs_per_sm() == 3
 
 
+def _plant_keys(pool: KVPool, slots: torch.Tensor, query: torch.Tensor, planted: dict[int, float]) -> None:
+    """Overwrite the keys of the row positions in ``planted`` (KV head 0 of layer 1) with that multiple of ``query``
+    ``[D]``: their logits for a query head reading ``query`` lie far above the random keys' (the multiple times
+    ``sm |query|^2``, about 11, against about N(0, 1))."""
+    generator = torch.Generator().manual_seed(13)
+    positions = list(planted)
+    k = torch.randn(len(positions), pool.kv_heads, pool.head_dim, generator=generator)
+    k[:, 0] = torch.stack([planted[position] * query.float() for position in positions])
+    v = torch.randn(len(positions), pool.kv_heads, pool.head_dim, generator=generator)
+    pool.write(1, slots[positions], k.to(pool.dtype), v.to(pool.dtype))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_the_held_token_is_the_first_argmax_of_the_end_tiles(splits):
+    """A row of 600 tokens: its end tokens are positions 0-127 and 512-599 (``reference.end_tokens``). Query head 0's
+    largest logit (token 300) lies between them, its largest among the end tokens in the last tile (token 550):
+    the certificate holds token 550 apart, and token 300 sits in its cell. One split: the running max moves on
+    the middle tiles and the held token does not. Four: splits of 256 tokens, the middle one ([256, 512), where
+    the largest logit is) holds no token and adds its rest sums alone, the last ([512, 600)) holds token 550,
+    and the fourth is empty. Every accumulator against the reference, for every head."""
+    pool, indptr, slots = filled_pool([600], kv_heads=1, v_dither=False)
+    q = _query(1, 7, seed=5)
+    _plant_keys(pool, slots, q[0, 0], {300: 0.6, 550: 0.45})
+    expected = oracle(q[0], pool, 1, slots, delta=DELTA)
+    assert int(expected.probs[0].argmax()) == 300
+    assert expected.accumulators.p_max[0] == expected.probs[0, 550]
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
 def test_an_overflowing_radius_counts_where_its_weight_underflows():
     pool, indptr, slots, q = far_token_case()
     expected = oracle(q[0], pool, 1, slots, delta=DELTA)
@@ -455,6 +485,37 @@ def test_tiled_extend_matches_reference(tiled_extend, q_heads, kv_heads, splits,
         torch.testing.assert_close(result.lse[row], expected.lse, rtol=1e-6, atol=1e-5)
         if certificate:
             torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_tiled_extend_rows_hold_apart_their_own_end_tiles_argmax(tiled_extend, splits):
+    """12 new tokens over a prefix of 250: rows 0-5 see 251-256 keys, whose end tokens are all of them, rows 6-11
+    see 257-262, whose end tokens are positions 0-127 and from 256 on (``reference.end_tokens``): one program's rows
+    with different end tiles. Query head 0's largest logit (key 200) is an end token of the first rows, held apart,
+    and lies between the end tiles of the last; for rows 7-11 the held token is key 257, in their last tile. Four
+    splits of 128 keys: the second ([128, 256)) holds no token of rows 6-11 and adds their rest sums alone. Every
+    row's accumulators against the reference over the keys it sees."""
+    prefix, new = 250, 12
+    pool, kv_indptr, slots = filled_pool([prefix + new], kv_heads=1, v_dither=False)
+    q = _query(new, 7, seed=6)
+    q[:, 0] = q[0, 0]
+    _plant_keys(pool, slots, q[0, 0], {200: 0.6, 257: 0.45})
+    qo_indptr = torch.tensor([0, new], dtype=torch.int32)
+    result = extend_attention(q, pool, 1, qo_indptr, kv_indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+    assert result.path == "triton-interpreter"
+    for row in range(new):
+        expected = extend_oracle(q, pool, qo_indptr, kv_indptr, slots, [prefix], row, delta=DELTA)
+        assert int(expected.probs[0].argmax()) == 200
+        held = 200 if row < 6 else 257 if row >= 7 else None
+        if held is not None:
+            assert expected.accumulators.p_max[0] == expected.probs[0, held], row
+        assert relative_error(result.out[row], expected.out) < 1e-5, row
+        torch.testing.assert_close(result.lse[row], expected.lse, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(result.certificate[row], expected.certificate, rtol=1e-4, atol=0.0)
+        for name in ("p_max", "u_max", "a1_rest", "b_rest", "u_rest", "p_rest"):
+            torch.testing.assert_close(
+                getattr(result.accumulators, name)[row], getattr(expected.accumulators, name), rtol=1e-4, atol=1e-12
+            )
 
 
 def test_tiled_extend_gives_an_infinite_certificate_where_the_radius_overflows(tiled_extend):
