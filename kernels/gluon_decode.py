@@ -35,7 +35,9 @@ from witcert.kernels.gluon_tiles import (
     V_LOAD,
     V_SHARED,
     async_load,
+    certificate_end_tile,
     certificate_tile,
+    is_end_tile,
     loop_start,
     program_heads,
     pv_tokens,
@@ -45,7 +47,7 @@ from witcert.kernels.gluon_tiles import (
     softmax_tile,
     store_split,
     tile_argmax,
-    tile_radius,
+    tile_sigma_sq,
     tile_tokens,
     v_dither_tile,
 )
@@ -126,21 +128,22 @@ def _copy_v(v_tiles, VCodes, bases, offs, hi, OFFSETS_64: gl.constexpr):
 def decode_stage1_gluon(
     Q, KCodes, KScales, VCodes, VScales, KAlpha, VAlpha, KvStart, KvEnd, KvIndices, Skip,
     PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU,
-    num_slots, num_kv_indices, stride_qb, stride_qh, sm_scale, log_two_over_delta, beta, seed, layer,
+    num_slots, num_kv_indices, stride_qb, stride_qh, sm_scale, log_two_over_delta, kappa, seed, layer,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
     HAS_SKIP: gl.constexpr, OFFSETS_64: gl.constexpr, NUM_SPLITS: gl.constexpr,
 ):  # fmt: skip
     """One (row, block of 8 query heads, split): the outputs of ``triton_kernels.decode_stage1``."""
     # q's MMA operands stay in registers (16 a thread) where the loop fits them without a spill: reading them from
     # shared memory every tile made the kernel 3-4% slower with its reads in the L2 (docs/KERNELS.md). The certified
-    # loop with bf16 queries or a dithered V has no room for them (11 and 6 spill stores a tile, Triton 3.6).
+    # loop with a dithered V has no room for them (17 spill stores a tile, Triton 3.6); with bf16 queries it would
+    # spill none with Triton 3.6 but 5 with 3.9 (not timed).
     Q_IN_REGISTERS: gl.constexpr = not (CERTIFICATE and (V_DITHER or Q.dtype.element_ty == gl.bfloat16))
     row, split, kv_head, first_local = program_heads(KV_GROUP)
 
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
-    q_ops, q_alpha_sums, radius_ops, logit_scale, tail = query_operands(
-        Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,
+    q_ops, q_alpha_sums, sigma_op, logit_scale, chat = query_operands(
+        Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, kappa, seq_len,
         log_two_over_delta, CERTIFICATE, Q_IN_REGISTERS,
     )  # fmt: skip
 
@@ -153,7 +156,7 @@ def decode_stage1_gluon(
         + gl.arange(0, 16, layout=gl.SliceLayout(0, v_tok_l))[None, :]
     )
 
-    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = loop_start()
+    running_max, acc0, acc1, running_sum, rest, held, slot_max, fold_row = loop_start()
     max_slot = (num_slots - 1).to(gl.uint32)
     dither_sums = (running_sum,) * 8  # a dithered V's sums (v_dither_tile; unused otherwise)
 
@@ -221,17 +224,23 @@ def decode_stage1_gluon(
         _copy_k(k_rows, KCodes, next_base, offs + BLOCK_N, hi, OFFSETS_64)
         _copy_scales(k_scales.index(1 - stage), KScales, next_k_scale_rows, start + BLOCK_N + tok_ks, hi, groups_ks)
         async_copy.commit_group()
-        logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
-            softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
+        logits, tile_max, new_max, shift, rest_alpha, weights, running_sum, first, second, acc0, acc1 = softmax_tile(
+            logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1
         )
+        # The certificate's singletons and held token come from the row's first and last tiles alone; the tiles
+        # between take no argmax (tile_arg is then unused).
+        end_tile = is_end_tile(start, seq_len)
         if CERTIFICATE:
-            tile_arg = tile_argmax(logits, tile_max)
+            if end_tile:
+                tile_arg = tile_argmax(logits, tile_max)
+            else:
+                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS
         async_copy.wait_group(1)  # this tile's V
-        # With V rounded, the radius beside PV's MMAs, which the scheduler interleaves with its MMAs, square roots
-        # and lane reductions (after PV they ran alone); with V dithered, after PV, where it was 1-5% faster on an
-        # H100 (docs/KERNELS.md, "The radius beside PV").
+        # With V rounded, sigma^2 beside PV's MMAs, which the scheduler interleaves with it (placed after PV, it runs
+        # alone); with V dithered, after PV, where it was 1-5% faster on an H100 (docs/KERNELS.md, "The radius beside
+        # PV").
         if CERTIFICATE and not V_DITHER:
-            radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
+            sigma_sq = tile_sigma_sq(tile_scales, sigma_op, token_ok)
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_tiles[0], v_tiles[1]), v_scales.slice(0, 4))
         acc0, acc1 = pv_tokens(acc0, acc1, second, (v_tiles[2], v_tiles[3]), v_scales.slice(4, 4))
         if V_DITHER:
@@ -244,11 +253,13 @@ def decode_stage1_gluon(
         # The rest of the certificate after PV, so that none of V's registers is live through it.
         if CERTIFICATE:
             if V_DITHER:
-                radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
-            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
-                w_rest, u_max, g_max,
-            )  # fmt: skip
+                sigma_sq = tile_sigma_sq(tile_scales, sigma_op, token_ok)
+            if end_tile:
+                rest, held = certificate_end_tile(
+                    tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
+                )
+            else:
+                rest = certificate_tile(rest_alpha, weights, sigma_sq, chat, rest)
 
         running_max = new_max
         slots = next_slots
@@ -256,7 +267,7 @@ def decode_stage1_gluon(
     async_copy.wait_group(0)  # the copies of the tile past the end (all masked) before the memory is freed
 
     store_split(
-        acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
-        num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
-        PartPRest, PartU, NUM_KV_HEADS, KV_GROUP, NUM_SPLITS, CERTIFICATE, V_DITHER,
+        acc0, acc1, running_max, running_sum, rest, held, slot_max, dither_sums, row_ok, num_slots, row, split, kv_head,
+        first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU, NUM_KV_HEADS,
+        KV_GROUP, NUM_SPLITS, CERTIFICATE, V_DITHER,
     )  # fmt: skip

@@ -43,7 +43,9 @@ from witcert.kernels.gluon_tiles import (
     TOKENS,
     V_SHARED,
     async_load,
+    certificate_end_tile,
     certificate_tile,
+    is_end_tile,
     loop_start,
     program_heads,
     pv_tokens,
@@ -53,7 +55,7 @@ from witcert.kernels.gluon_tiles import (
     softmax_tile,
     store_split,
     tile_argmax,
-    tile_radius,
+    tile_sigma_sq,
     tile_tokens,
     v_dither_tile,
 )
@@ -134,15 +136,15 @@ def _produce(k_ring, v_ring, ks_ring, vs_ring, full, empty, KCodes, KScales, VCo
 
 @gluon.jit
 def _consume(
-    k_ring, v_ring, ks_ring, vs_ring, full, empty, q_ops, q_alpha_sums, radius_ops, logit_scale, tail, KvIndices, Skip,
-    kv_start, lo, hi, num_slots, kv_head, seed, layer, NUM_KV_HEADS: gl.constexpr, CERTIFICATE: gl.constexpr,
+    k_ring, v_ring, ks_ring, vs_ring, full, empty, q_ops, q_alpha_sums, sigma_op, logit_scale, chat, KvIndices, Skip,
+    kv_start, lo, hi, seq_len, num_slots, kv_head, seed, layer, NUM_KV_HEADS: gl.constexpr, CERTIFICATE: gl.constexpr,
     V_DITHER: gl.constexpr, HAS_SKIP: gl.constexpr,
 ):  # fmt: skip
     """``gluon_decode``'s token loop on the ring: the loop state after the split's last tile."""
     warp_t = gl.arange(0, 4, layout=gl.SliceLayout(1, TOKEN_ROW))[:, None] * TOKENS
     tok_t = warp_t + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, TOKEN_ROW))[None, :]  # [4, 32]
 
-    running_max, acc0, acc1, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, fold_row = loop_start()
+    running_max, acc0, acc1, running_sum, rest, held, slot_max, fold_row = loop_start()
     max_slot = (num_slots - 1).to(gl.uint32)
     dither_sums = (running_sum,) * 8  # a dithered V's sums (v_dither_tile; unused otherwise)
 
@@ -160,11 +162,17 @@ def _consume(
                    k_ring.index(4 * stage + 3))  # fmt: skip
         tile_scales = ks_ring.index(stage)
         logits = qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, False, False)
-        logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1 = (
-            softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1)
+        logits, tile_max, new_max, shift, rest_alpha, weights, running_sum, first, second, acc0, acc1 = softmax_tile(
+            logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1
         )
+        # The certificate's singletons and held token come from the row's first and last tiles alone (tile_arg is
+        # unused on the others).
+        end_tile = is_end_tile(start, seq_len)
         if CERTIFICATE:
-            tile_arg = tile_argmax(logits, tile_max)
+            if end_tile:
+                tile_arg = tile_argmax(logits, tile_max)
+            else:
+                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS
         tile_v_scales = vs_ring.index(stage)
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_ring.index(4 * stage), v_ring.index(4 * stage + 1)),
                                tile_v_scales.slice(0, 4))  # fmt: skip
@@ -175,11 +183,13 @@ def _consume(
                                         weights, tile_v_scales, rest_alpha)  # fmt: skip
 
         if CERTIFICATE:
-            radius = tile_radius(tile_scales, radius_ops, tail, token_ok)
-            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
-                w_rest, u_max, g_max,
-            )  # fmt: skip
+            sigma_sq = tile_sigma_sq(tile_scales, sigma_op, token_ok)
+            if end_tile:
+                rest, held = certificate_end_tile(
+                    tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
+                )
+            else:
+                rest = certificate_tile(rest_alpha, weights, sigma_sq, chat, rest)
         # The stage is free once the four warps have read it (the arrive waits for them).
         mbarrier.arrive(empty.index(stage), count=1)
 
@@ -189,14 +199,14 @@ def _consume(
         if stage == STAGES:
             stage = 0
             phase ^= 1
-    return (acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max) + dither_sums
+    return (acc0, acc1, running_max, running_sum) + rest + held + (slot_max,) + dither_sums
 
 
 @gluon.jit
 def decode_stage1_ws(
     Q, KCodes, KScales, VCodes, VScales, KAlpha, VAlpha, KvStart, KvEnd, KvIndices, Skip,
     PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU,
-    num_slots, num_kv_indices, stride_qb, stride_qh, sm_scale, log_two_over_delta, beta, seed, layer,
+    num_slots, num_kv_indices, stride_qb, stride_qh, sm_scale, log_two_over_delta, kappa, seed, layer,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
     HAS_SKIP: gl.constexpr, OFFSETS_64: gl.constexpr, NUM_SPLITS: gl.constexpr,
 ):  # fmt: skip
@@ -206,8 +216,8 @@ def decode_stage1_ws(
     kv_start, row_ok, lo, hi, seq_len = split_range(KvStart, KvEnd, row, split, num_kv_indices, NUM_SPLITS, BLOCK_N)
 
     # q's MMA operands in shared memory (Q_IN_REGISTERS false): the consumers' registers have no room for them.
-    q_ops, q_alpha_sums, radius_ops, logit_scale, tail = query_operands(
-        Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, beta, seq_len,
+    q_ops, q_alpha_sums, sigma_op, logit_scale, chat = query_operands(
+        Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP, sm_scale, kappa, seq_len,
         log_two_over_delta, CERTIFICATE, False,
     )  # fmt: skip
 
@@ -223,8 +233,8 @@ def decode_stage1_ws(
         mbarrier.init(empty.index(s), count=1)
     state = gl.warp_specialize(
         [
-            (_consume, (k_ring, v_ring, ks_ring, vs_ring, full, empty, q_ops, q_alpha_sums, radius_ops, logit_scale,
-                        tail, KvIndices, Skip, kv_start, lo, hi, num_slots, kv_head, seed, layer, NUM_KV_HEADS,
+            (_consume, (k_ring, v_ring, ks_ring, vs_ring, full, empty, q_ops, q_alpha_sums, sigma_op, logit_scale,
+                        chat, KvIndices, Skip, kv_start, lo, hi, seq_len, num_slots, kv_head, seed, layer, NUM_KV_HEADS,
                         CERTIFICATE, V_DITHER, HAS_SKIP)),
             (_produce, (k_ring, v_ring, ks_ring, vs_ring, full, empty, KCodes, KScales, VCodes, VScales, KvIndices,
                         kv_start, lo, hi, num_slots, kv_head, NUM_KV_HEADS, OFFSETS_64)),
@@ -240,6 +250,7 @@ def decode_stage1_ws(
         b_rest,
         u_rest,
         w_rest,
+        held_z,
         u_max,
         g_max,
         slot_max,
@@ -255,7 +266,7 @@ def decode_stage1_ws(
     dither_sums = (d0, d1, d2, d3, d4, d5, d6, d7)
 
     store_split(
-        acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
-        num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
-        PartPRest, PartU, NUM_KV_HEADS, KV_GROUP, NUM_SPLITS, CERTIFICATE, V_DITHER,
+        acc0, acc1, running_max, running_sum, (b_rest, u_rest, w_rest), (held_z, u_max, g_max), slot_max, dither_sums,
+        row_ok, num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB,
+        PartURest, PartPRest, PartU, NUM_KV_HEADS, KV_GROUP, NUM_SPLITS, CERTIFICATE, V_DITHER,
     )  # fmt: skip

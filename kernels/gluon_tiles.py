@@ -19,18 +19,28 @@ layout is chosen so that the bytes a thread loads are the bytes its tensor-core 
   significant bits), and the output channels are relabelled (undone at the store).
 * **Warps are independent**: each owns 32 tokens of every 128-token tile with its own running max, sums and output
   accumulator; the four are merged once per split, with the same algebra as the split merge of stage 2. q's
-  operands stay in registers where the loop has room for them; its dither offsets and the radius operands wait in
+  operands stay in registers where the loop has room for them; its dither offsets and the sigma^2 operand wait in
   shared memory. The weights' sum stays per thread too; an out-of-range slot poisons the row after the loop (a
   running maximum).
-* **The certificate** (THEORY.md section 3) on the same tile: the radius from two tf32 MMAs of the tile's
-  scales with operands built from q's norms (``_radius``), ``A1 = B + U`` (no ``expm1`` per token), and
-  the rest sums kept per thread over its own tokens, reduced over the lanes once per split.
+* **The certificate** (THEORY.md section 3) on the same tile: ``sigma^2`` per token and head from one tf32 MMA of
+  the tile's scales with an operand built from q's norms (``_sigma_sq``); the radius is ``u = chat sigma`` with
+  ``chat = c + kappa`` one number per split. A thread's four tokens of a warp's 32 (positions ``t``, ``t + 8``,
+  ``t + 16``, ``t + 24`` of a 32-token block) are one *cell*: per tile and head it adds ``chat sqrt(W M)`` to
+  ``U`` and ``chat^2 h(chat sqrt(largest sigma^2)) M`` to ``B`` (``_cell_sums``; ``W``, ``M`` the sums of ``p``
+  and ``p sigma^2``), ``A1 = B + U``: a square root and one ``h`` per thread and head, no exponential per token.
+  Only the row's first and last tiles of 128 (``is_end_tile``) take an argmax: there each warp's first argmax of
+  its 32 tokens (its block's *singleton*) leaves its cell's ``W`` and ``M`` and either replaces the warp's *held*
+  token (a strictly larger logit) or is folded into the rest sums with its exact terms ``p u``, ``p g(u)``. The
+  held token's logit, ``u`` and ``g`` are kept per warp and head apart from the running max, which the tiles
+  between the ends move. The rest sums stay per thread and are reduced over the lanes once per split, where the
+  warps' held tokens meet (``store_split``).
 
 A kernel runs, per split: ``query_operands`` and ``loop_start``; per tile, with its codes and scales in shared
 memory (K's in one ``K_ROWS_SHARED`` buffer or one ``ROW_MAJOR`` buffer per channel group, read in ``K_GROUP``'s
 placement; V's in ``V_LOAD``'s, in ``V_SHARED`` buffers), ``tile_tokens``, ``qk_tile``, ``softmax_tile``,
-``tile_argmax`` and ``tile_radius`` (with the certificate), ``pv_tokens`` on each 16-token half, ``v_dither_tile``
-(a dithered V) and ``certificate_tile``; then ``store_split``.
+``tile_argmax`` (with the certificate, on an end tile) and ``tile_sigma_sq`` (with the certificate), ``pv_tokens``
+on each 16-token half, ``v_dither_tile`` (a dithered V) and ``certificate_end_tile`` or ``certificate_tile``; then
+``store_split``.
 
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
 and start from ``sum(q_g alpha_g)``, so that they compute the negated logit part ``-q_g . (code_g - alpha_g)`` up
@@ -64,6 +74,9 @@ NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
 TOKENS = gl.constexpr(32)
 BLOCK_N = gl.constexpr(NUM_WARPS * 32)
+# The row's first and last tiles of this many tokens are where the certificate takes its singletons and held
+# token (reference.END_TILE); a tile of the loop is one of them or lies between them.
+END_TILE = gl.constexpr(128)
 HEADS = gl.constexpr(8)
 HEAD_DIM = gl.constexpr(128)
 GROUP_SIZE = gl.constexpr(32)
@@ -220,7 +233,7 @@ _P_ROWS = gl.constexpr(
         shape=[4, 16, 8],
     )
 )
-# The radius as tf32 MMAs (_radius): operands [warp, token, k] x [warp, k, head], and the K scales read with
+# sigma^2 as a tf32 MMA (_sigma_sq): operands [warp, token, k] x [warp, k, head], and the K scales read with
 # the tokens and groups of the A operand (token rows 8 apart in registers, the group on the lane's low bits).
 _RADIUS_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 1))
 _RADIUS_B = gl.constexpr(gl.DotOperandLayout(1, _MMA, 1))
@@ -321,8 +334,8 @@ def _q_scale(q_ptrs, q_mask):
 @gluon.jit
 def _q_group(q_ptrs, q_mask, g: gl.constexpr, q_scale):
     """Group ``g`` of q^T: the relabelled fp16 MMA operand ``q_scale q_g`` (a bf16 query, ``_q_scale``; an
-    fp16 one as is, ``q_scale`` unused), ``|q_g|_2^2`` and ``|q_g|_1`` of the query itself, per ``[warp, head]``,
-    and the operand in float32 ``[warp, channel, head]`` (laid out as loaded, channels not relabelled)."""
+    fp16 one as is, ``q_scale`` unused), ``|q_g|_2^2`` of the query itself, per ``[warp, head]``, and the operand
+    in float32 ``[warp, channel, head]`` (laid out as loaded, channels not relabelled)."""
     q_g = gl.load(q_ptrs + g * GROUP_SIZE, mask=q_mask, other=0.0)
     q32 = q_g.to(gl.float32)
     if q_g.dtype == gl.bfloat16:
@@ -333,7 +346,6 @@ def _q_group(q_ptrs, q_mask, g: gl.constexpr, q_scale):
     return (
         gl.convert_layout(_relabel_group(operand, 1), _OP_B),
         gl.sum(q32 * q32, axis=1),
-        gl.sum(gl.abs(q32), axis=1),
         operand32,
     )
 
@@ -345,46 +357,38 @@ def _tf32_hi(x):
 
 
 @gluon.jit
-def _radius_operands(groups, sigma_coef, bias_coef):
-    """The tf32 MMA operands ``[warp, k, head]`` that turn a token's scales into its radius terms.
+def _sigma_operand(groups, sigma_coef):
+    """The tf32 MMA operand ``[warp, k, head]`` that turns a token's scales into its ``sigma^2``.
 
-    Row ``k = 4 d + g`` meets the token's ``(hi, hi, lo, s_g)[d]`` (``_radius``; ``s_g^2 = hi + lo``).
-    ``sigma^2`` takes ``a_g = sm^2 |q_g|^2 / 12`` as ``(a_hi, a_lo, a_hi, 0)``, so that the products are
-    ``hi a_hi + hi a_lo + lo a_hi``: within 2**-21 of the float32 value. The bias takes ``b_g = sm beta
-    |q_g|_1`` rounded up to tf32 at ``d = 3`` (at most 2**-10 above: the bias is a fraction of a percent of
-    ``u``, and larger only loosens the bound).
+    Row ``k = 4 d + g`` meets the token's ``(hi, hi, lo, s_g)[d]`` (``_sigma_sq``; ``s_g^2 = hi + lo``).
+    ``a_g = sm^2 |q_g|^2 / 12`` enters as ``(a_hi, a_lo, a_hi, 0)``, so that the products are
+    ``hi a_hi + hi a_lo + lo a_hi``: within 2**-21 of the float32 value.
     """
     layout: gl.constexpr = _Q_LOAD
     k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
     sigma = gl.zeros([4, 16, 8], gl.float32, layout)
-    bias = gl.zeros([4, 16, 8], gl.float32, layout)
     for g in gl.static_range(4):
         a = (groups[g][1] * sigma_coef)[:, None, :]
         # sm^2 |q_g|^2 / 12 can overflow float32 (bf16 queries near 2**62 and beyond): the reference's radius is
-        # then +inf for every token. The sigma operand would make it NaN (inf - inf, and 0 * inf against an exact
-        # s_g^2), so that head's infinity goes in through the bias, which meets s_g > 0 alone: +inf, at no cost in
-        # the loop.
+        # then +inf for every token. The split would make it NaN (inf - inf, and 0 * inf against an exact s_g^2),
+        # so that head's infinity goes in at d = 3, where it meets s_g > 0 alone: +inf, at no cost in the loop.
         overflow = a == _FP32_INF
         a = gl.where(overflow, 0.0, a)
         a_hi = _tf32_hi(a)
-        b = (groups[g][2] * bias_coef)[:, None, :]
-        b_hi = _tf32_hi(b)
-        b_up = gl.where(b_hi < b, (b_hi.to(gl.uint32, bitcast=True) + 0x2000).to(gl.float32, bitcast=True), b_hi)
-        b_up = gl.where(overflow, _FP32_INF, b_up)
         sigma = gl.where((k == g) | (k == 8 + g), a_hi, sigma)
         sigma = gl.where(k == 4 + g, a - a_hi, sigma)
-        bias = gl.where(k == 12 + g, b_up, bias)
-    return sigma, bias
+        sigma = gl.where((k == 12 + g) & overflow, _FP32_INF, sigma)
+    return sigma
 
 
 @gluon.jit
-def _radius(tile_scales, radius_ops, tail):
-    """``u = c sigma + bias`` per ``[warp, token, head]`` of the tile (the logits' layout), from two tf32
-    products of the tokens' scales with ``_radius_operands``: exact products, float32 sums."""
-    # A zero scale (an all-zero group) enters as 2**-126: an overflowed head's infinite bias operand
-    # (``_radius_operands``) would meet it as 0 * inf, NaN, where the reference's radius is +inf. Elsewhere it
-    # adds at most 2**-126 b_g to the bias (a larger radius, still a bound), and its square flushes to 0. (A NaN
-    # scale, a NaN key written unvalidated, becomes 2**-126 here too; its logit stays NaN and poisons the row.)
+def _sigma_sq(tile_scales, sigma_op):
+    """``sigma^2 = sm^2 sum_g |q_g|^2 s_g^2 / 12`` per ``[warp, token, head]`` of the tile (the logits' layout), from
+    one tf32 product of the tokens' scales with ``_sigma_operand``: exact products, float32 sums."""
+    # A zero scale (an all-zero group) enters as 2**-126: an overflowed head's infinite operand row
+    # (``_sigma_operand``) would meet it as 0 * inf, NaN, where the reference's radius is +inf. Elsewhere that row
+    # is 0, and the square of 2**-126 flushes to 0. (A NaN scale, a NaN key written unvalidated, becomes 2**-126
+    # here too; its logit stays NaN and poisons the row.)
     s = gl.maximum(gl.reshape(tile_scales.load(_RADIUS_SCALES).to(gl.float32), [4, 32, 4]), _MIN_NORMAL)
     s2 = s * s  # exact: an fp16 scale squared has at most 22 significant bits
     hi = _tf32_hi(s2)
@@ -392,9 +396,7 @@ def _radius(tile_scales, radius_ops, tail):
     parts = gl.join(gl.join(hi, hi), gl.join(s2 - hi, s))
     scales = gl.convert_layout(gl.reshape(gl.permute(parts, [0, 1, 4, 3, 2]), [4, 32, 16]), _RADIUS_A)
     zero = gl.zeros([4, 32, 8], gl.float32, _MMA)
-    sigma_sq = mma_v2(scales, radius_ops[0].load(_RADIUS_B), zero, input_precision="tf32")
-    bias = mma_v2(scales, radius_ops[1].load(_RADIUS_B), zero, input_precision="tf32")
-    return tail * gl.sqrt(sigma_sq) + bias
+    return mma_v2(scales, sigma_op.load(_RADIUS_B), zero, input_precision="tf32")
 
 
 @gluon.jit
@@ -405,50 +407,6 @@ def _exp2(x):
     every certificate term it enters is a weighted non-negative term (an infinite factor still makes +inf,
     ``weighted``)."""
     return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-def _g_asm() -> str:
-    """PTX of ``_g_of_radii`` for four radii ``$4..$7`` into ``$0..$3``: ``triton_kernels.g_of``'s series (Horner,
-    fp32 constants 1/720, 1/120, 1/24, 1/6, 1/2) for all four; past the branch, which a thread takes when all four
-    are below 1/4, ``exp(u) - 1 - u`` (``ex2.approx.ftz`` of ``u log2 e``) replaces it where ``u >= 1/4``."""
-    series = "".join(
-        f"fma.rn.f32 ${i}, ${4 + i}, 0f3AB60B61, 0f3C088889;\n"
-        f"fma.rn.f32 ${i}, ${i}, ${4 + i}, 0f3D2AAAAB;\n"
-        f"fma.rn.f32 ${i}, ${i}, ${4 + i}, 0f3E2AAAAB;\n"
-        f"fma.rn.f32 ${i}, ${i}, ${4 + i}, 0f3F000000;\n"
-        f"mul.rn.f32 t, ${4 + i}, ${4 + i};\n"
-        f"mul.rn.f32 ${i}, ${i}, t;\n"
-        for i in range(4)
-    )
-    exponential = "".join(
-        f"mul.rn.f32 t, ${4 + i}, 0f3FB8AA3B;\n"
-        "ex2.approx.ftz.f32 t, t;\n"
-        "sub.rn.f32 t, t, 0f3F800000;\n"
-        f"sub.rn.f32 t, t, ${4 + i};\n"
-        f"setp.ge.f32 big, ${4 + i}, 0f3E800000;\n"
-        f"@big mov.b32 ${i}, t;\n"
-        for i in range(4)
-    )
-    return (
-        "{\n.reg .pred small, big;\n.reg .b32 t, m;\n"
-        + series
-        + "max.f32 m, $4, $5;\nmax.f32 m, m, $6;\nmax.f32 m, m, $7;\nsetp.lt.f32 small, m, 0f3E800000;\n"
-        + "@small bra SERIES${:uid};\n"
-        + exponential
-        + "SERIES${:uid}:\n}"
-    )
-
-
-_G_ASM = gl.constexpr(_g_asm())
-
-
-@gluon.jit
-def _g_of_radii(u):
-    """``g(u) = expm1(u) - u`` of the tile's radii, as ``g_of(u, FAST_EXP=True)`` computes it, with the exponential
-    behind a branch: a thread whose four radii in a block are all below 1/4, as they are where certificates are
-    small, runs the series alone. A NaN or infinite radius takes the exponential's route and gives NaN, which the
-    tile's sum reads as +inf (``inf_where_nan``)."""
-    return gl.inline_asm_elementwise(_G_ASM, "=r,=r,=r,=r,r,r,r,r", [u], dtype=gl.float32, is_pure=True, pack=4)
 
 
 # The accumulator's registers alternate between the thread's two heads (its MMA columns 2 t and 2 t + 1), so
@@ -696,10 +654,77 @@ def _thread_max(slots):
     return gl.max(gl.reshape(slots, [4, 4, 8]), axis=1)
 
 
+def _h_asm() -> str:
+    """PTX of ``_h_of`` for a thread's two arguments ``$2, $3`` into ``$0, $1``: ``g_of``'s series without its factor
+    ``x^2`` (Horner, fp32 constants 1/720, 1/120, 1/24, 1/6, 1/2) for both; past the branch, which a thread takes
+    when both are below 1/4, ``(exp(x) - 1 - x) rcp(max(x^2, 1/16))`` (``ex2.approx.ftz`` of ``x log2 e``,
+    ``rcp.approx.ftz``; a NaN read as +inf) replaces it where ``x >= 1/4``."""
+    series = "".join(
+        f"fma.rn.f32 ${i}, ${2 + i}, 0f3AB60B61, 0f3C088889;\n"
+        f"fma.rn.f32 ${i}, ${i}, ${2 + i}, 0f3D2AAAAB;\n"
+        f"fma.rn.f32 ${i}, ${i}, ${2 + i}, 0f3E2AAAAB;\n"
+        f"fma.rn.f32 ${i}, ${i}, ${2 + i}, 0f3F000000;\n"
+        for i in range(2)
+    )
+    quotient = "".join(
+        f"mul.rn.f32 t, ${2 + i}, 0f3FB8AA3B;\n"
+        "ex2.approx.ftz.f32 t, t;\n"
+        "sub.rn.f32 t, t, 0f3F800000;\n"
+        f"sub.rn.f32 t, t, ${2 + i};\n"
+        f"mul.rn.f32 d, ${2 + i}, ${2 + i};\n"
+        "max.f32 d, d, 0f3D800000;\n"
+        "rcp.approx.ftz.f32 d, d;\n"
+        "mul.rn.f32 t, t, d;\n"
+        "testp.notanumber.f32 nan, t;\n"
+        "@nan mov.b32 t, 0f7F800000;\n"
+        f"setp.ge.f32 big, ${2 + i}, 0f3E800000;\n"
+        f"@big mov.b32 ${i}, t;\n"
+        for i in range(2)
+    )
+    return (
+        "{\n.reg .pred small, big, nan;\n.reg .b32 t, d, m;\n"
+        + series
+        + "max.f32 m, $2, $3;\nsetp.lt.f32 small, m, 0f3E800000;\n"
+        + "@small bra SERIES${:uid};\n"
+        + quotient
+        + "SERIES${:uid}:\n}"
+    )
+
+
+_H_ASM = gl.constexpr(_h_asm())
+
+
+@gluon.jit
+def _h_of(x):
+    """``h(x) = g(x) / x^2`` (``reference.h_of``) for ``x >= 0``, as ``g_of(x, FAST_EXP=True) / x^2`` with the
+    exponential behind a branch (``_h_asm``): a thread whose two arguments are below 1/4, as they are where
+    certificates are small, runs ``g_of``'s series without its factor ``x^2`` alone (truncation below 4e-7 relative;
+    no ``x^2`` that could underflow into a division). From 1/4 on, ``(exp(x) - 1 - x) / x^2`` by ``ex2.approx.ftz``
+    and ``rcp.approx.ftz`` (relative error below 1e-5 there; past ``x^2 = 2**126`` the reciprocal flushes to 0
+    where ``g`` is +inf already). ``+inf`` where ``g`` overflows (``inf / x^2``, and at ``x = +inf`` ``(inf - inf)
+    * 0``, read as +inf), never NaN."""
+    return gl.inline_asm_elementwise(_H_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _cell_sums(cell_weights, sigma_sq, chat):
+    """One tile's ``(B, U, W)`` terms per thread and head (``[warp, token % 8, head]``): a thread's four tokens of its
+    warp's 32 are a cell (THEORY.md section 3, "Where the sums are taken"), and with ``W`` and ``M`` the sums of
+    ``cell_weights`` and ``cell_weights sigma^2`` over them, ``U = chat sqrt(W M)`` bounds ``sum p u`` and ``B =
+    chat^2 h(chat sqrt(largest sigma^2)) M`` bounds ``sum p g(u)`` (``u = chat sigma``). ``cell_weights`` is 0 at a
+    singleton, whose ``sigma^2`` still counts in the largest. A NaN from ``0 * inf`` in ``B`` reads as +inf; in
+    ``U`` it is read so after the loop (``store_split``)."""
+    tile_w = _thread_sum(cell_weights)
+    tile_m = _thread_sum(cell_weights * sigma_sq)
+    largest = gl.max(gl.reshape(sigma_sq, [4, 4, 8, 8]), axis=1)
+    tile_b = inf_where_nan((chat * chat) * _h_of(chat * gl.sqrt(largest)) * tile_m)
+    return tile_b, chat * gl.sqrt(tile_w * tile_m), tile_w
+
+
 @gluon.jit
 def _rescaled_fold(rescaled, tile, fold_row, fold):
     """A per-thread rest sum after a tile: the old one ``rescaled`` to the new max, plus the tile's terms and,
-    on lane row 0, the token that stops being held apart."""
+    on lane row 0, the singleton folded back (the tile's, or the warp's held token that it replaced)."""
     return (
         rescaled
         + tile
@@ -745,8 +770,9 @@ def _store_out(
 def loop_start():
     """The token loop's state before the first tile: per warp the running max and output accumulators; per thread
     over its own tokens (``_thread_sum``, reduced over the lanes once per split) the sum of the weights and the
-    rest sums of B, U and P (tokens other than the running argmax; A1 = B + U), folded argmax terms going to lane
-    row 0 (``fold_row``); u and g at each warp's running argmax; the running maximum of the slots."""
+    rest sums of B, U and P (every token but the warp's held one; A1 = B + U), folded singletons going to lane row
+    0 (``fold_row``); per warp and head the held token's logit (``-inf``: none yet), u and g; the running maximum of
+    the slots."""
     running_max = gl.full([4, 8], -_FP32_INF, gl.float32, _HEAD_ROW)
     acc0 = gl.zeros([4, 64, 8], gl.float32, _MMA)
     acc1 = gl.zeros([4, 64, 8], gl.float32, _MMA)
@@ -755,7 +781,8 @@ def loop_start():
     fold_row = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, rest_l)))[None, :, None] == 0
     u_max = gl.zeros([4, 8], gl.float32, _HEAD_ROW)
     slot_max = _thread_max(gl.zeros([4, 32], gl.uint32, TOKEN_ROW))
-    return running_max, acc0, acc1, running_sum, running_sum, running_sum, running_sum, u_max, u_max, slot_max, fold_row
+    held = (running_max, u_max, u_max)
+    return running_max, acc0, acc1, running_sum, (running_sum, running_sum, running_sum), held, slot_max, fold_row
 
 
 @gluon.jit
@@ -790,9 +817,9 @@ def qk_tile(k_tiles, tile_scales, q_ops, q_alpha_sums, Q_IN_REGISTERS: gl.conste
 
 @gluon.jit
 def softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1):
-    """The online softmax over one tile: its scaled logits (``-inf`` where a token is not live), their max, the
-    new running max and its finite shift, the old frame's weight ``alpha`` (per ``[warp, head]`` and on the rest
-    sums' layout, ``rest_alpha``), the weights, the running sum with the tile's weights, the weights as PV's two
+    """The online softmax over one tile: its scaled logits (``-inf`` where a token is not live), their max per warp
+    and head, the new running max and its finite shift, the old frame's weight ``alpha`` on the rest sums' layout
+    (``rest_alpha``), the weights, the running sum with the tile's weights, the weights as PV's two
     16-token halves (``2**14 p``), and the output accumulators rescaled to the new max."""
     logits = gl.where(token_ok[:, :, None], logits * logit_scale, -_FP32_INF)
     tile_max = gl.max(logits, axis=1)
@@ -807,7 +834,7 @@ def softmax_tile(logits, token_ok, logit_scale, running_max, running_sum, acc0, 
     first, second = gl.split(halves)
     acc0 = _rescaled(acc0, alpha[:, None, :].broadcast_to(4, 64, 8))
     acc1 = _rescaled(acc1, alpha[:, None, :].broadcast_to(4, 64, 8))
-    return logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, acc1
+    return logits, tile_max, new_max, shift, rest_alpha, weights, running_sum, first, second, acc0, acc1
 
 
 @gluon.jit
@@ -826,9 +853,18 @@ def v_dither_tile(sums, KvIndices, kv_start, start, hi, max_slot, seed, layer, k
 
 
 @gluon.jit
+def is_end_tile(start, seq_len):
+    """Whether the tile at ``start`` (a multiple of 128 from the row's start, as splits are) holds end tokens
+    (``reference.end_tokens``): positions below 128 or from ``((seq_len - 1) // 128) * 128`` on. One scalar for
+    the whole program: a branch every thread takes alike."""
+    return (start < END_TILE) | (start + BLOCK_N > (seq_len - 1) // END_TILE * END_TILE)
+
+
+@gluon.jit
 def tile_argmax(logits, tile_max):
-    """Per ``[warp, head]``, the tile's first token whose logit is the tile's max: the token the certificate holds
-    apart. Found before PV, so that the logits are not live through it."""
+    """Per ``[warp, head]``, the first of the warp's 32 tokens whose logit is its max: its 32-token block's
+    singleton, on an end tile. Found before PV, so that the logits are not live through it. A warp with no live
+    token gets its first token, whose weight and ``sigma`` are 0."""
     return gl.min(gl.where(logits == tile_max[:, None, :], _token_index(), TOKENS), axis=1)
 
 
@@ -840,49 +876,55 @@ def _token_index():
 
 
 @gluon.jit
-def tile_radius(tile_scales, radius_ops, tail, token_ok):
-    """The tile's logit radii ``u`` (``_radius``) per ``[warp, token, head]``, 0 where a token is not live."""
-    return gl.where(token_ok[:, :, None], _radius(tile_scales, radius_ops, tail), 0.0)
+def tile_sigma_sq(tile_scales, sigma_op, token_ok):
+    """The tile's ``sigma^2`` (``_sigma_sq``) per ``[warp, token, head]``, 0 where a token is not live."""
+    return gl.where(token_ok[:, :, None], _sigma_sq(tile_scales, sigma_op), 0.0)
 
 
 @gluon.jit
-def certificate_tile(
-    tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest, w_rest,
-    u_max, g_max,
-):  # fmt: skip
-    """One tile's certificate terms from its radii (``tile_radius``): its argmax (``tile_argmax``) held apart, the
-    rest sums ``B``, ``U``, ``P`` rescaled to the new max with the tile's terms and the token that stops being held
-    apart."""
+def certificate_tile(rest_alpha, weights, sigma_sq, chat, rest):
+    """A tile between the row's end tiles: the rest sums ``(B, U, P)`` rescaled to the new max with every token in
+    its cell (``_cell_sums``). No argmax: the held token stays as it is."""
+    b_rest, u_rest, w_rest = rest
+    tile_b, tile_u, tile_w = _cell_sums(weights, sigma_sq, chat)
+    return weighted(rest_alpha, b_rest) + tile_b, u_rest * rest_alpha + tile_u, w_rest * rest_alpha + tile_w
+
+
+@gluon.jit
+def certificate_end_tile(tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held):
+    """An end tile: each warp's singleton (``tile_argmax``) out of its cell, the rest sums ``(B, U, P)`` rescaled to
+    the new max with the cells' terms (``_cell_sums``), and the held token ``(logit, u, g)`` per warp and head.
+    The singleton replaces the held token where its logit is strictly larger (so the first of equal ones stays);
+    the one of the two that is not held is folded into the rest sums with its exact terms ``p``, ``p u``, ``p
+    g(u)``, its weight ``p`` in the tile's frame (0 where the warp held none, or the tile had no live token)."""
+    b_rest, u_rest, w_rest = rest
+    held_z, u_max, g_max = held
     is_arg = _token_index() == tile_arg[:, None, :]
-    u_arg = gl.sum(gl.where(is_arg, radius, 0.0), axis=1)
+    u_arg = chat * gl.sqrt(gl.sum(gl.where(is_arg, sigma_sq, 0.0), axis=1))
     g_arg = g_of(u_arg, True)
-    # Masked-off tokens weigh 0 and their radius is 0: the argmax is the only token the rest sums leave out.
-    rest_weights = gl.where(is_arg, 0.0, weights)
-    # The token that stops being held apart: the old argmax (weight alpha in the new frame) when
-    # the max moved into this tile, else this tile's argmax (weight weight_arg).
-    weight_arg = _exp2(tile_max - shift)
-    moved = tile_max > running_max
-    fold_b = gl.where(moved, weighted(alpha, g_max), weighted(weight_arg, g_arg))
-    fold_u = gl.where(moved, alpha * u_max, weight_arg * u_arg)
-    fold_w = gl.where(moved, alpha, weight_arg)
-    tile_b = inf_where_nan(_thread_sum(rest_weights * _g_of_radii(radius)))
+    tile_b, tile_u, tile_w = _cell_sums(gl.where(is_arg, 0.0, weights), sigma_sq, chat)
+    moved = tile_max > held_z
+    fold_w = _exp2(gl.where(moved, held_z, tile_max) - shift)
+    fold_b = weighted(fold_w, gl.where(moved, g_max, g_arg))
+    fold_u = fold_w * gl.where(moved, u_max, u_arg)
     b_rest = _rescaled_fold(weighted(rest_alpha, b_rest), tile_b, fold_row, fold_b)
-    u_rest = _rescaled_fold(u_rest * rest_alpha, _thread_sum(rest_weights * radius), fold_row, fold_u)
-    w_rest = _rescaled_fold(w_rest * rest_alpha, _thread_sum(rest_weights), fold_row, fold_w)
-    u_max = gl.where(moved, u_arg, u_max)
-    g_max = gl.where(moved, g_arg, g_max)
-    return b_rest, u_rest, w_rest, u_max, g_max
+    u_rest = _rescaled_fold(u_rest * rest_alpha, tile_u, fold_row, fold_u)
+    w_rest = _rescaled_fold(w_rest * rest_alpha, tile_w, fold_row, fold_w)
+    held = (gl.where(moved, tile_max, held_z), gl.where(moved, u_arg, u_max), gl.where(moved, g_arg, g_max))
+    return (b_rest, u_rest, w_rest), held
 
 
 @gluon.jit
 def store_split(
-    acc0, acc1, running_max, running_sum, b_rest, u_rest, w_rest, u_max, g_max, slot_max, dither_sums, row_ok,
-    num_slots, row, split, kv_head, first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest,
-    PartPRest, PartU, NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    CERTIFICATE: gl.constexpr, V_DITHER: gl.constexpr,
+    acc0, acc1, running_max, running_sum, rest, held, slot_max, dither_sums, row_ok, num_slots, row, split, kv_head,
+    first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU,
+    NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, NUM_SPLITS: gl.constexpr, CERTIFICATE: gl.constexpr,
+    V_DITHER: gl.constexpr,
 ):  # fmt: skip
     """The split's partials from the token loop's state: the four warps merged (the stage-2 algebra, with each
-    warp's max in place of its LSE), the row poisoned where a slot was out of range."""
+    warp's max in place of its LSE, and its held token's logit in place of a split's), the row poisoned where a
+    slot was out of range. ``PartMax`` is the split's held token's logit (``-inf`` where no warp held one: a split
+    with no end tile), ``PartU`` its ``u``."""
     max_slot = (num_slots - 1).to(gl.uint32)
     num_q_heads = NUM_KV_HEADS * KV_GROUP
     running_sum = gl.convert_layout(gl.sum(running_sum, axis=1), _HEAD_ROW)
@@ -919,21 +961,27 @@ def store_split(
     empty = total == 0
     gl.store(PartLse + part_row, gl.where(empty, -_FP32_INF, top * _LN2 + gl.log(safe_sum)) + poison, mask=head_ok)
     if CERTIFICATE:
-        live = running_sum > 0
+        b_rest, u_rest, w_rest = rest
+        held_z, u_max, g_max = held
+        # The split's held token: the first warp's of the largest held logit. A warp that held none (-inf) neither
+        # wins nor adds anything: its held weight is 0, its u and g are 0.
+        held_top = gl.max(held_z, axis=0)  # [8]
         warp_index = gl.arange(0, 4, layout=gl.SliceLayout(1, _HEAD_ROW))[:, None]
-        winner = gl.min(gl.where(live & (running_max == top[None, :]), warp_index, 4), axis=0)
-        loser = live & (warp_index != winner[None, :])
+        winner = gl.min(gl.where((held_z == held_top[None, :]) & (held_z > -_FP32_INF), warp_index, 4), axis=0)
+        loser = warp_index != winner[None, :]
+        # The other warps' held tokens join the rest sums with their exact terms, weighted in the split's frame.
+        held_weight = gl.exp2(held_z - top_shift[None, :])  # [4, 8]
         b_rest = gl.convert_layout(gl.sum(b_rest, axis=1), _HEAD_ROW)
         # U_rest's terms take no `0 * inf` rule in the loop (it would spill): a weight that underflowed beside a
         # radius that overflowed makes the sum NaN, and a NaN stays NaN through every later scaling and sum,
         # so it is read here as the reference's +inf (``mul_nonneg``).
         u_rest = inf_where_nan(gl.convert_layout(gl.sum(u_rest, axis=1), _HEAD_ROW))
         w_rest = gl.convert_layout(gl.sum(w_rest, axis=1), _HEAD_ROW)
-        b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, mul_nonneg(warp_weight, g_max), 0.0), axis=0)
-        u = gl.sum(weighted(warp_weight, u_rest) + gl.where(loser, weighted(warp_weight, u_max), 0.0), axis=0)
-        p = gl.sum(warp_weight * w_rest + gl.where(loser, warp_weight, 0.0), axis=0)
-        u_top = gl.sum(gl.where(warp_index == winner[None, :], u_max, 0.0), axis=0)
-        gl.store(PartMax + part_row, top * _LN2 + poison, mask=head_ok)
+        b = gl.sum(mul_nonneg(warp_weight, b_rest) + gl.where(loser, weighted(held_weight, g_max), 0.0), axis=0)
+        u = gl.sum(weighted(warp_weight, u_rest) + gl.where(loser, weighted(held_weight, u_max), 0.0), axis=0)
+        p = gl.sum(warp_weight * w_rest + gl.where(loser, held_weight, 0.0), axis=0)
+        u_top = gl.sum(gl.where(loser, 0.0, u_max), axis=0)
+        gl.store(PartMax + part_row, held_top * _LN2 + poison, mask=head_ok)
         gl.store(PartA1 + part_row, (b + u) / safe_sum + poison, mask=head_ok)
         gl.store(PartB + part_row, b / safe_sum + poison, mask=head_ok)
         gl.store(PartURest + part_row, u / safe_sum + poison, mask=head_ok)
@@ -943,13 +991,15 @@ def store_split(
 
 @gluon.jit
 def query_operands(
-    Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP: gl.constexpr, sm_scale, beta, seq_len,
+    Q, KAlpha, row, stride_qb, stride_qh, kv_head, first_local, KV_GROUP: gl.constexpr, sm_scale, kappa, seq_len,
     log_two_over_delta, CERTIFICATE: gl.constexpr, Q_IN_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """What the token loop needs of the query: q^T per channel group relabelled like K (``q_ops``, MMA operands in
     registers, or in shared memory where ``Q_IN_REGISTERS`` is false), the dither's share per (head, group) and the
-    radius operands in shared memory, the logits' scale and the radius' tail multiplier ``c``."""
-    # q^T per channel group, relabelled like K, and its sums (the dither's offset, the radius operands).
+    ``sigma^2`` operand in shared memory, the logits' scale and the radius multiplier ``chat = c + kappa`` (THEORY.md
+    section 2: ``c`` the tail multiplier of the row's ``seq_len`` tokens, ``kappa`` the bias multiplier the host
+    computes, ``reference.bias_multiplier``)."""
+    # q^T per channel group, relabelled like K, and its sums (the dither's offset, the sigma^2 operand).
     q_chan = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_LOAD)))
     q_head = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_LOAD)))
     q_local = first_local + q_head
@@ -970,7 +1020,7 @@ def query_operands(
     g3 = _q_group(q_ptrs, q_mask, 3, q_scale)
     # q^T's operands (16 registers a thread) stay in registers through the loop where it has room for them (see
     # Q_IN_REGISTERS in gluon_decode), else wait in shared memory and are read by ldmatrix each tile. The dither's
-    # share of each group (sum(q_g alpha_g) over the operand, _qk_group) and the radius operands wait in shared
+    # share of each group (sum(q_g alpha_g) over the operand, _qk_group) and the sigma^2 operand wait in shared
     # memory, read once per tile.
     if Q_IN_REGISTERS:
         q_ops = (g0[0], g1[0], g2[0], g3[0])
@@ -985,17 +1035,12 @@ def query_operands(
     alpha_ptrs = KAlpha + kv_head * HEAD_DIM + q_chan
     for g in gl.static_range(4):
         alpha_g = gl.load(alpha_ptrs + g * GROUP_SIZE)[None, :, None]
-        operand = (g0, g1, g2, g3)[g][3]
+        operand = (g0, g1, g2, g3)[g][2]
         q_alpha_sums.index(g).store(gl.sum(operand * alpha_g, axis=1))
-    radius_ops = (
-        gl.allocate_shared_memory(gl.float32, [4, 16, 8], ROW_MAJOR),
-        gl.allocate_shared_memory(gl.float32, [4, 16, 8], ROW_MAJOR),
-    )
+    sigma_op = gl.allocate_shared_memory(gl.float32, [4, 16, 8], ROW_MAJOR)
     if CERTIFICATE:
-        sigma_op, bias_op = _radius_operands((g0, g1, g2, g3), sm_scale * sm_scale / 12.0, sm_scale * beta)
-        radius_ops[0].store(sigma_op)
-        radius_ops[1].store(bias_op)
+        sigma_op.store(_sigma_operand((g0, g1, g2, g3), sm_scale * sm_scale / 12.0))
     _barrier()
 
     tail = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_two_over_delta))
-    return q_ops, q_alpha_sums, radius_ops, logit_scale, tail
+    return q_ops, q_alpha_sums, sigma_op, logit_scale, tail + kappa

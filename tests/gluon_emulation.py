@@ -10,16 +10,17 @@ tf32 operands, float32 sums, as on the tensor cores up to the order of the sums)
 
 What the layouts do decide is the inline PTX: an ``asm`` block acts on a thread's registers, ``pack`` of them at a
 time, in the order its layout gives. Each block of the kernel is emulated by what it computes on the tensor:
-``ex2.approx.ftz`` is ``exp2`` with results below ``2**-126`` flushed to 0; ``_g_of_radii`` is its series below 1/4
-and ``exp(u) - 1 - u`` through that ``exp2`` from 1/4 on, per element (its branch only skips work); the output's
-rescale is ``acc * alpha``; ``_neg_codes`` is ``-(byte - 128)`` per element; ``_v_split`` is ``s * code`` rounded to
-fp16 (exact for V's scales) for each byte of a 16-bit pair of V codes, with the scale from the half of the token's
-scale word that its group selects (``_V_FRAGMENT`` pairs two tokens in a register, and the block's ``f16x2`` outputs
-keep them so: no element moves); ``_transposed_blocks`` (``movmatrix``) transposes each 8x8 block of a warp's ``[16,
-8]``, which ``_p_operand`` relabels back. An asm block not listed here raises. So the emulation checks the kernel's
-algorithm (tiling, masks, the copies' addressing, online softmax, the certificate's folds and merges, the relabelled
-operands) against the reference; the PTX itself is checked by the SASS tests when compiled and by the GPU tests when
-run.
+``ex2.approx.ftz`` is ``exp2`` with results below ``2**-126`` flushed to 0; ``_h_of`` is its series below 1/4 and
+``(exp(x) - 1 - x) / max(x^2, 1/16)`` through that ``exp2`` and a reciprocal flushed alike from 1/4 on, NaN read as
++inf, per element (its branch only skips work); the output's rescale is ``acc * alpha``; ``_neg_codes`` is ``-(byte -
+128)`` per element; ``_v_split`` is ``s * code`` rounded to fp16 (exact for V's scales) for each byte of a 16-bit pair
+of V codes, with the scale from the half of the token's scale word that its group selects (``_V_FRAGMENT`` pairs two
+tokens in a register, and the block's ``f16x2`` outputs keep them so: no element moves); ``_transposed_blocks``
+(``movmatrix``) transposes each 8x8 block of a warp's ``[16, 8]``, which ``_p_operand`` relabels back. An asm block
+not listed here raises. So the emulation checks the kernel's algorithm (tiling, masks, the copies' addressing, online
+softmax, the certificate's cells, singletons and merges of held tokens, the relabelled operands) against the
+reference; the PTX itself is checked by the SASS tests when compiled and by the GPU tests when run, and the operand
+blocks' and ``_h_of``'s text against these emulations by ``tests/ptx_subset.py``.
 
 A warp-specialised kernel (``kernels/gluon_decode_ws.py``) runs its partitions as threads that take turns, one at
 a time: a partition runs until it waits on an mbarrier whose phase has not completed, then hands over to the
@@ -120,15 +121,17 @@ def _exp2_ftz(x: np.ndarray) -> np.ndarray:
     return np.where(np.abs(result) < np.float32(2.0**-126), np.float32(0.0), result)
 
 
-def _g_of_radii(u: np.ndarray) -> np.ndarray:
-    u = u.astype(np.float32)
-    series = u * np.float32(1 / 720) + np.float32(1 / 120)
-    for coefficient in (1 / 24, 1 / 6, 0.5):
-        series = series * u + np.float32(coefficient)
-    with np.errstate(over="ignore", invalid="ignore"):
-        series = series * (u * u)
-        big = (_exp2_ftz(u * np.float32(1.4426950408889634)) - np.float32(1.0)) - u
-    return np.where(u >= np.float32(0.25), big, series)
+def _h_of(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        series = x * np.float32(1 / 720) + np.float32(1 / 120)
+        for coefficient in (1 / 24, 1 / 6, 0.5):
+            series = series * x + np.float32(coefficient)
+        g = (_exp2_ftz(x * np.float32(1.4426950408889634)) - np.float32(1.0)) - x
+        reciprocal = np.float32(1.0) / np.maximum(x * x, np.float32(1 / 16))
+        reciprocal = np.where(reciprocal < np.float32(2.0**-126), np.float32(0.0), reciprocal)
+        big = g * reciprocal
+    return np.where(x >= np.float32(0.25), np.where(np.isnan(big), np.float32(np.inf), big), series)
 
 
 def _neg_codes(codes: np.ndarray) -> np.ndarray:
@@ -163,10 +166,10 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
     """The kernel's asm blocks, each by what it computes on whole tensors (the module docstring)."""
     asm = _value(asm)
     data = [arg.handle.data for arg in args]
-    if "bra SERIES" in asm:
-        return _tensor(_g_of_radii(data[0]), tl.float32)
     if "movmatrix.sync.aligned.m8n8.trans.b16" in asm:
         return _tensor(_transposed_blocks(data[0]), tl.float16)
+    if "@small bra SERIES" in asm:
+        return _tensor(_h_of(data[0]), tl.float32)
     if "ex2.approx.ftz.f32" in asm:
         return _tensor(_exp2_ftz(data[0]), tl.float32)
     if "@p bra SKIP" in asm:

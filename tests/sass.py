@@ -31,9 +31,11 @@ _POINTERS = dict(
     PartOut="fp32", PartLse="fp32", PartMax="fp32", PartA1="fp32", PartB="fp32", PartURest="fp32",
     PartPRest="fp32", PartU="fp32",
 )  # fmt: skip
+# beta: the name of kappa's argument in the stage 1s before the certificate's cells, which bench/lab/count_sass.py
+# compiles from bench/lab/whatif_stage1.py's what-ifs of those commits.
 _SCALARS = dict(
     num_slots="i32", num_kv_indices="i32", stride_qb="i32", stride_qh="i32", sm_scale="fp32",
-    log_two_over_delta="fp32", beta="fp32", seed="i64", layer="i32",
+    log_two_over_delta="fp32", kappa="fp32", beta="fp32", seed="i64", layer="i32",
 )  # fmt: skip
 _SHAPE = dict(
     NUM_KV_HEADS=4, KV_GROUP=7, BLOCK_H=8, HEAD_DIM=128, GROUP_SIZE=32, DITHER_BITS=8, HAS_OUTLIERS=False,
@@ -109,7 +111,7 @@ def _compile_extend(q_dtype: str, certificate: bool) -> bytes:
     )  # fmt: skip
     scalars = dict(
         num_sequences="i32", num_slots="i32", num_kv_indices="i32", stride_qt="i32", stride_qh="i32",
-        sm_scale="fp32", log_two_over_delta="fp32", beta="fp32",
+        sm_scale="fp32", log_two_over_delta="fp32", kappa="fp32",
     )  # fmt: skip
     block_h = _SHAPE["BLOCK_H"]
     constants = dict(

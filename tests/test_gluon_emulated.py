@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import ptx_subset  # noqa: E402
-from gluon_emulation import _neg_codes, _transposed_blocks, _v_split, emulated, linear_coordinate  # noqa: E402
+from gluon_emulation import _h_of, _neg_codes, _transposed_blocks, _v_split, emulated, linear_coordinate  # noqa: E402
 from kernel_cases import (  # noqa: E402
     assert_matches_oracle,
     far_token_case,
@@ -60,6 +60,38 @@ def test_emulated_gluon_decode_matches_reference(run_gluon, kv_heads, group, pag
     lengths = [1, 700, 0, 129]
     pool, indptr, slots = filled_pool(lengths, kv_heads=kv_heads, page_size=page_size, v_dither=v_dither, dtype=dtype)
     q = _query(len(lengths), kv_heads * group, dtype=dtype)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+    assert result.path == "gluon-gpu"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+def peak_between_ends_case() -> tuple[witcert.kernels.KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows (1000 and 300 tokens, one KV head of 7 query heads, V rounded) whose largest logit sits between the
+    row's end tiles: every query head is the key of token 300 (row 0) or 200 (row 1) times 0.15 to 1.05, plus noise.
+    The reference holds apart an end tile's token there, not the argmax, and leaves the argmax in its cell. Returns
+    (pool, indptr, slots, q)."""
+    pool, indptr, slots = filled_pool([1000, 300], kv_heads=1, v_dither=False)
+    generator = torch.Generator().manual_seed(5)
+    rows = []
+    for row, peak in ((0, 300), (1, 200)):
+        key = pool.dequantize(1, slots[int(indptr[row]) + peak].reshape(1), "k")[0, 0].float()  # [D]
+        strength = torch.linspace(0.15, 1.05, 7)[:, None]
+        rows.append(strength * key + 0.3 * torch.randn(7, 128, generator=generator))
+    return pool, indptr, slots, torch.stack(rows).half()
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["one-split", "splits-without-end-tiles"])
+def test_emulated_gluon_holds_an_end_tiles_token_where_the_peak_lies_between_the_ends(run_gluon, splits):
+    """With one split the tiles between the ends move each warp's running max past its held token, which stays;
+    with four, the splits around the peak (row 0: tokens 256-511 and 512-767; row 1: 128-255) hold no token
+    (``PartMax`` -inf) and stage 2 takes the held token from another split."""
+    pool, indptr, slots, q = peak_between_ends_case()
+    for row, peak in ((0, 300), (1, 200)):
+        expected = oracle(q[row], pool, 1, slots[int(indptr[row]) : int(indptr[row + 1])], delta=DELTA)
+        sharp = expected.probs.argmax(-1) == peak
+        assert sharp.sum() >= 4, "the peak is not the argmax of most heads"
+        # There the held token is not the argmax: an end tile's token of smaller weight.
+        assert torch.all(expected.accumulators.p_max[sharp] < expected.probs[sharp, peak])
     result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
     assert result.path == "gluon-gpu"
     assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
@@ -160,6 +192,26 @@ def test_neg_codes_ptx_gives_minus_each_stored_code_as_emulated():
         out = ptx_subset.run(text, {"$2": int(stored.view(np.uint32)[0])})
         values = np.concatenate([ptx_subset.halves(out["$0"]), ptx_subset.halves(out["$1"])])
         np.testing.assert_array_equal(values, _neg_codes(stored).astype(np.float64))
+
+
+def test_h_ptx_matches_the_emulation_and_the_reference_on_both_sides_of_its_branch():
+    """``_h_of``'s asm on pairs of arguments (one thread's two heads): both below 1/4 (the branch skips the
+    exponential), one on each side, both above, up to where ``g`` overflows and ``x = +inf``. Each result is within
+    1e-6 of ``gluon_emulation._h_of`` (the PTX reader takes ``ex2`` and ``rcp`` as exact, as the emulation does) and
+    within 1e-5 of ``reference.h_of`` in float32; +inf where the reference's is, never NaN."""
+    text = gluon_tiles._H_ASM.value
+    small = [0.0, 1e-30, 1e-3, 0.05, 0.2, 0.2499]
+    large = [0.25, 0.3, 1.0, 7.5, 40.0, 88.0, 89.0, 1e10, 1e19, 1e20, 3e38, math.inf]
+    pairs = [(a, b) for a in small for b in small[::2]] + [(a, b) for a in small + large for b in large]
+    pairs += [(b, a) for a, b in pairs]
+    for pair in pairs:
+        x = np.array(pair, dtype=np.float32)
+        out = ptx_subset.run(text, {f"${2 + i}": int(x.view(np.uint32)[i]) for i in range(2)})
+        got = np.array([ptx_subset.f32(out[f"${i}"]) for i in range(2)], dtype=np.float32)
+        np.testing.assert_allclose(got, _h_of(x), rtol=1e-6, atol=0.0, err_msg=str(pair))  # fma: one rounding
+        expected = reference.h_of(torch.from_numpy(x)).numpy()
+        assert not np.isnan(got).any(), pair
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=0.0, err_msg=str(pair))
 
 
 def test_v_split_ptx_matches_the_emulation_in_the_layouts_register_order():

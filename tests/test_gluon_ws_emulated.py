@@ -24,6 +24,7 @@ from kernel_cases import (  # noqa: E402
     overflowing_query_case,
     relative_error,
 )
+from test_gluon_emulated import peak_between_ends_case  # noqa: E402
 
 import witcert.kernels  # noqa: E402
 from witcert.kernels import attention, decode_attention, gluon_decode, gluon_decode_ws, reference  # noqa: E402
@@ -99,6 +100,15 @@ def test_emulated_ws_without_certificate_gives_the_same_output(run_ws):
     without = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=1, certificate=False)
     assert without.path == "gluon-ws-gpu" and without.certificate is None
     assert torch.equal(with_cert.out, without.out) and torch.equal(with_cert.lse, without.lse)
+
+
+def test_emulated_ws_holds_an_end_tiles_token_where_the_peak_lies_between_the_ends(run_ws):
+    """``test_gluon_emulated``'s case in four splits: the consumers tell the row's end tiles by its length, not by
+    the split's end (row 0's last split ends with the row; its first two and row 1's second do not)."""
+    pool, indptr, slots, q = peak_between_ends_case()
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=4)
+    assert result.path == "gluon-ws-gpu"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 
 
 def test_emulated_ws_gives_an_infinite_certificate_where_the_radius_overflows(run_ws):

@@ -2,16 +2,23 @@
 
 Each variant edits the Gluon stage 1's text (``kernels/gluon_tiles.py`` followed by ``kernels/gluon_decode.py``, one
 module that imports neither) and writes the result to ``--output``; time it against the real kernel in one run with
-``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns).
+``bench/bench_kernels.py --baseline-stage1 FILE`` (its ``base_*`` columns). A what-if edits the working tree's stage 1
+unless it names the commit whose text it edits (``DEFAULT_REV``; ``--rev`` or ``--source`` choose another): the
+certificate what-ifs and ``gpv`` edit the per-token certificate of ``dddfc61`` (the kernel before the certificate's
+cells, which ``momentsends`` prototyped), ``qkahead`` and ``pipelined`` the copy by channel group of ``b0958e7``,
+``threadarg`` the single-file stage 1 of ``9e7d36d``.
+
 ``blockradius``, ``moments``, ``noheld``, ``first``, ``ends``, ``momentsnoheld``, ``momentsfirst``, ``momentsends``,
 ``halfpv``, ``all`` and ``copyonly`` compute something other than what THEORY.md and the contract tests ask
 (certificates or outputs that differ from the reference, or nothing); the code changes (``nobranch``, ``qkahead``,
 ``pipelined``, ``threadarg``, ``radiusearly``, ``certearly``, ``gpv``, ``scalesearly``, ``qshared``) compute what the
-real kernel does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract tests
-on one compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the CPU.
-CI does not test them. None runs outside a benchmark:
+kernel they edit does, which ``bash bench/lab/device_session.sh whatif_tests NAME`` checks by running the GPU contract
+tests on one compiled in the kernel's place, and ``python bench/lab/emulate_whatif.py NAME`` by the emulated ones on the
+CPU (both against the working tree's reference: the what-ifs of an earlier commit fail them). CI does not test them.
+None runs outside a benchmark:
 
-* ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits;
+* ``none``: the stage 1 as it is; with ``--rev REV``, commit REV's, the baseline of an A/B between commits (and of a
+  what-if read at its ``DEFAULT_REV``);
 * ``blockradius``: one radius per warp, head and 32-token tile, the largest of its tokens' (sound but
   looser; removes ``g`` and the radius-weighted sums per token, keeps the per-token radius itself);
 * ``moments``: the certificate from per-thread moments (``bench/lab/certificate_variants.py``'s ``moments_thread``,
@@ -39,25 +46,25 @@ CI does not test them. None runs outside a benchmark:
   Iteration i computes tile i + 1's logits first, then tile i's softmax, PV and certificate, so that one
   tile's MMA and reduction latencies overlap the other's work (what FlashAttention-3 calls intra-warpgroup
   pipelining); K's codes are double-buffered and its scales triple-buffered, 16 KB more shared memory. It edits
-  the four group buffers that K was copied into before its copy by rows: it applies to ``--rev b0958e7``;
+  the four group buffers that K was copied into before its copy by rows (``b0958e7``);
 * ``pipelined``: ``qkahead`` and ``nobranch`` together: without the branch the whole iteration is one block
   that the scheduler can interleave (tile i + 1's QK with tile i's softmax, PV with the certificate); like
-  ``qkahead``, on ``--rev b0958e7``;
+  ``qkahead``, on ``b0958e7``;
 * ``threadarg`` (a code change; computes what the real kernel does, but for which of two tokens with equal
   logits is held apart, each choice a sound certificate): each thread holds apart its own running argmax
   among its four tokens per tile, so the loop's certificate needs no lane exchange (the real kernel finds
   each warp's tile argmax and its radius by two reductions over the lanes, 12 shuffles per tile); the held
-  tokens meet once, after the loop. It edits the loop and the split's stores together, which the current kernel
-  keeps in separate functions (``certificate_tile``, ``store_split``): it applies to ``--source`` a copy of
-  ``git show 9e7d36d:kernels/gluon_decode.py``;
+  tokens meet once, after the loop. It edits the loop and the split's stores together, which later kernels keep
+  in separate functions (``certificate_tile``, ``store_split``): it applies to ``9e7d36d``'s single file;
 * ``radiusearly``, ``certearly`` (code changes; compute what the real kernel does, in another order): where the
-  certificate's work sits against PV. The kernel computes the tile's radius right after V's wait, beside PV's
-  MMAs, and the rest after PV's last MMA; ``radiusearly`` computes the radius before V's wait (the compiler
-  interleaves more of it, both lane reductions too, with PV's MMAs; one more CTA barrier), ``certearly`` the whole
-  certificate before V's wait (while V's copy is in flight, none of it beside PV);
-* ``gpv`` (a code change; computes what the real kernel does): the radii's ``g`` computed with the radius, beside
-  PV, rather than in ``certificate_tile`` after PV's last MMA, where it is the larger part of what remains there;
-* ``scalesearly``: ``radiusearly`` with the tile's scales for the radius read from shared memory before the next
+  certificate's work sits against PV. The kernel computes the tile's ``sigma^2`` right after V's wait, beside PV's
+  MMAs (with V rounded), and the rest after PV's last MMA; ``radiusearly`` computes ``sigma^2`` before V's wait
+  (one more CTA barrier), ``certearly`` the whole certificate before V's wait (while V's copy is in flight, none of
+  it beside PV);
+* ``gpv`` (a code change of ``dddfc61``'s per-token certificate): the radii's ``g`` computed with the radius,
+  beside PV, rather than in ``certificate_tile`` after PV's last MMA, where it was the larger part of what remained
+  there;
+* ``scalesearly``: ``radiusearly`` with the tile's scales for ``sigma^2`` read from shared memory before the next
   tile's copies are issued: read after them, as in ``radiusearly``, they cost the loop a fifth CTA barrier; here 4
   scale registers stay live through the softmax instead;
 * ``qshared`` (a code change; computes what the real kernel does): the certified loop reads q's MMA operands from
@@ -88,7 +95,7 @@ KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 def current_source(rev: str | None = None) -> str:
     """The Gluon stage 1 as one module: ``gluon_tiles.py``, then ``gluon_decode.py`` less its docstring, its
     ``from __future__`` line and its import of ``gluon_tiles`` (the names it imports are the module's own); as in
-    the working tree, or at commit ``rev``."""
+    the working tree, or at commit ``rev`` (``gluon_decode.py`` alone at a commit that has no ``gluon_tiles.py``)."""
 
     def read(name: str) -> str:
         if rev is None:
@@ -101,9 +108,13 @@ def current_source(rev: str | None = None) -> str:
         return shown.stdout
 
     kernel = read("gluon_decode.py")
+    has_tiles = ["git", "cat-file", "-e", f"{rev}:kernels/gluon_tiles.py"]
+    if rev is not None and subprocess.run(has_tiles, cwd=KERNELS.parent, capture_output=True).returncode:
+        return kernel
+    tiles = read("gluon_tiles.py")
     kernel = re.sub(r'\A""".*?"""\n', "", kernel, flags=re.S).replace("from __future__ import annotations\n", "")
     kernel = re.sub(r"from witcert\.kernels\.gluon_tiles import \(.*?\)\n", "", kernel, flags=re.S)
-    return read("gluon_tiles.py") + "\n\n" + kernel
+    return tiles + "\n\n" + kernel
 
 
 _BLOCKRADIUS = [
@@ -313,13 +324,13 @@ _COPYONLY_SPANS = [
         "",
     ),
     (
-        "        logits, tile_max, new_max, shift, alpha, rest_alpha, weights, running_sum, first, second, acc0, "
-        "acc1 = (\n",
+        "        logits, tile_max, new_max, shift, rest_alpha, weights, running_sum, first, second, acc0, acc1 = "
+        "softmax_tile(\n",
         "        async_copy.wait_group(1)  # this tile's V\n",
         "",
     ),
     (
-        "        # With V rounded, the radius beside PV's MMAs",
+        "        # With V rounded, sigma^2 beside PV's MMAs",
         "        _copy_v(v_tiles, VCodes, next_v_bases, next_v, hi, OFFSETS_64)\n",
         "",
     ),
@@ -522,32 +533,40 @@ def _replacing_spans(spans: list[tuple[str, str, str]]) -> Callable[[str], str]:
 
 
 # Each what-if's edit of the source; the composite ones apply others in turn.
-# The kernel computes the tile's radius right after V's wait, beside PV, with V rounded, and after PV with V
+# The kernel computes the tile's sigma^2 right after V's wait, beside PV, with V rounded, and after PV with V
 # dithered; these move it, or the whole certificate, before V's wait in both.
-_RADIUS_CALL = "radius = tile_radius(tile_scales, radius_ops, tail, token_ok)\n"
-_RADIUS_OFF_PV = (
-    "        if CERTIFICATE and not V_DITHER:\n            " + _RADIUS_CALL + "        acc0, acc1 = pv_tokens(",
+_SIGMA_CALL = "sigma_sq = tile_sigma_sq(tile_scales, sigma_op, token_ok)\n"
+_SIGMA_OFF_PV = (
+    "        if CERTIFICATE and not V_DITHER:\n            " + _SIGMA_CALL + "        acc0, acc1 = pv_tokens(",
     "        acc0, acc1 = pv_tokens(",
 )
-_TILE_ARGMAX = "            tile_arg = tile_argmax(logits, tile_max)\n"
+_TILE_ARGMAX = (
+    "        if CERTIFICATE:\n"
+    "            if end_tile:\n"
+    "                tile_arg = tile_argmax(logits, tile_max)\n"
+    "            else:\n"
+    "                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS\n"
+)
 _RADIUSEARLY = [
-    _RADIUS_OFF_PV,
-    ("        if CERTIFICATE:\n            if V_DITHER:\n                " + _RADIUS_CALL, "        if CERTIFICATE:\n"),
-    (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL),
+    _SIGMA_OFF_PV,
+    ("        if CERTIFICATE:\n            if V_DITHER:\n                " + _SIGMA_CALL, "        if CERTIFICATE:\n"),
+    (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _SIGMA_CALL),
 ]
-_CERTIFICATE_CALL = """            b_rest, u_rest, w_rest, u_max, g_max = certificate_tile(
-                tile_arg, tile_max, running_max, shift, alpha, rest_alpha, weights, radius, fold_row, b_rest, u_rest,
-                w_rest, u_max, g_max,
-            )  # fmt: skip
+_CERTIFICATE_CALL = """            if end_tile:
+                rest, held = certificate_end_tile(
+                    tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
+                )
+            else:
+                rest = certificate_tile(rest_alpha, weights, sigma_sq, chat, rest)
 """
 _CERTEARLY = [
-    _RADIUS_OFF_PV,
+    _SIGMA_OFF_PV,
     (
         "        # The rest of the certificate after PV, so that none of V's registers is live through it.\n"
-        "        if CERTIFICATE:\n            if V_DITHER:\n                " + _RADIUS_CALL + _CERTIFICATE_CALL,
+        "        if CERTIFICATE:\n            if V_DITHER:\n                " + _SIGMA_CALL + _CERTIFICATE_CALL,
         "",
     ),
-    (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _RADIUS_CALL + _CERTIFICATE_CALL),
+    (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _SIGMA_CALL + _CERTIFICATE_CALL),
 ]
 
 _QSHARED = [
@@ -557,8 +576,9 @@ _QSHARED = [
     )
 ]
 
-# gpv: the radii's g (``_g_of_radii``, 99 of the 208 instructions after PV's last MMA) computed with the radius,
-# beside PV, and passed to certificate_tile.
+# gpv (on dddfc61's per-token certificate): the radii's g (``_g_of_radii``, 99 of the 208 instructions after PV's last
+# MMA) computed with the radius, beside PV, and passed to certificate_tile.
+_RADIUS_CALL = "radius = tile_radius(tile_scales, radius_ops, tail, token_ok)\n"
 _GPV = [
     (
         "weights, radius, fold_row, b_rest, u_rest, w_rest,\n    u_max",
@@ -586,8 +606,8 @@ _SCALESEARLY = [
         "        if CERTIFICATE:\n            radius_scales = tile_scales.load(_RADIUS_SCALES)\n",
     ),
     (
-        _TILE_ARGMAX + " " * 12 + _RADIUS_CALL,
-        _TILE_ARGMAX + " " * 12 + _RADIUS_CALL.replace("tile_radius(tile_scales,", "tile_radius(radius_scales,"),
+        _TILE_ARGMAX + " " * 12 + _SIGMA_CALL,
+        _TILE_ARGMAX + " " * 12 + _SIGMA_CALL.replace("tile_sigma_sq(tile_scales,", "tile_sigma_sq(radius_scales,"),
     ),
 ]
 
@@ -614,6 +634,27 @@ _EDITS = {
 }
 _COMPOSITES = {"all": "blockradius+halfpv", "pipelined": "nobranch+qkahead"}
 VARIANTS = (*_EDITS, *_COMPOSITES)
+# The commit whose stage 1 a what-if edits, where it is not the working tree's: the per-token certificate before its
+# cells (the certificate what-ifs, gpv), K copied by channel group (qkahead), the single-file kernel (threadarg).
+_PER_TOKEN_CERTIFICATE = "dddfc61"
+DEFAULT_REV = {
+    **dict.fromkeys(
+        ("blockradius", "moments", "noheld", "first", "ends", "momentsnoheld", "momentsfirst", "momentsends", "gpv"),
+        _PER_TOKEN_CERTIFICATE,
+    ),
+    "all": _PER_TOKEN_CERTIFICATE,
+    "qkahead": "b0958e7",
+    "pipelined": "b0958e7",
+    "threadarg": "9e7d36d",
+}
+
+
+def default_rev(name: str) -> str | None:
+    """The commit whose stage 1 the what-if ``name`` (``a+b`` too) edits by default: None for the working tree's."""
+    revs = {DEFAULT_REV.get(part) for part in name.split("+")}
+    if len(revs) > 1:
+        raise SystemExit(f"whatif_stage1: {name} joins what-ifs of different commits; name one with --rev or --source")
+    return revs.pop()
 
 
 def variant(name: str, text: str) -> str:
@@ -627,19 +668,25 @@ def variant(name: str, text: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variant", help=f"one of {', '.join(VARIANTS)}, or several joined by + (qkahead+threadarg)")
+    parser.add_argument("variant", help=f"one of {', '.join(VARIANTS)}, or several joined by + (nobranch+radiusearly)")
     parser.add_argument("--output", type=Path, required=True, help="where to write the edited stage 1")
     origin = parser.add_mutually_exclusive_group()
-    origin.add_argument("--source", type=Path, help="the stage 1 to edit, one module (default: the working tree's; "
-                        "threadarg applies to `git show 9e7d36d:kernels/gluon_decode.py`, before the certificate's "
-                        "tile and the split's stores became functions)")  # fmt: skip
+    origin.add_argument("--source", type=Path, help="the stage 1 to edit, one module (default: the working tree's, "
+                        "or the what-if's DEFAULT_REV)")  # fmt: skip
     origin.add_argument("--rev", help="edit the stage 1 of this commit (gluon_tiles.py and gluon_decode.py "
-                        "as one module); with the variant none, an A/B baseline (--baseline-stage1)")  # fmt: skip
+                        "as one module; default: the what-if's DEFAULT_REV, else the working tree's); with the "
+                        "variant none, an A/B baseline (--baseline-stage1)")  # fmt: skip
     args = parser.parse_args()
     if unknown := [part for part in args.variant.split("+") if part not in VARIANTS]:
         parser.error(f"unknown what-if {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    args.output.write_text(variant(args.variant, args.source.read_text() if args.source else current_source(args.rev)))
-    print(f"wrote {args.output} ({args.variant}); time it with bench/bench_kernels.py --baseline-stage1 {args.output}")
+    if args.source:
+        text, origin_text = args.source.read_text(), str(args.source)
+    else:
+        rev = args.rev or default_rev(args.variant)
+        text, origin_text = current_source(rev), f"commit {rev}" if rev else "the working tree"
+    args.output.write_text(variant(args.variant, text))
+    print(f"wrote {args.output} ({args.variant} on {origin_text}); time it with bench/bench_kernels.py "
+          f"--baseline-stage1 {args.output}")  # fmt: skip
 
 
 if __name__ == "__main__":
