@@ -337,44 +337,36 @@ def end_singletons(
     strictly larger logit (first-argmax semantics, since tiles come in sequence order), and then the token held
     so far joins the rest sums; otherwise that block argmax does. Every other singleton joins them. A block with
     no live token has weight 0 and sigma 0: it adds nothing and is never held (its max is -inf)."""
-    ROWS: tl.constexpr = logits.shape[0]
-    BLOCKS: tl.constexpr = N // CELL_BLOCK
     FAST_EXP: tl.constexpr = not INTERPRETED
-    candidates = tl.reshape(tl.where(ends, logits, -FP32_INF), (ROWS, BLOCKS, CELL_BLOCK))
-    block_max = tl.max(candidates, axis=2)
-    # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
-    index = tl.arange(0, CELL_BLOCK)[None, None, :]
-    first = tl.min(tl.where(candidates == block_max[:, :, None], index, CELL_BLOCK), axis=2)
-    singleton = (index == first[:, :, None]) & (block_max > -FP32_INF)[:, :, None]
-    sigma_sq_single = tl.sum(tl.where(singleton, tl.reshape(sigma_sq, (ROWS, BLOCKS, CELL_BLOCK)), 0.0), axis=2)
-    w_single = tl.exp(block_max - shift[:, None])
-    u_single = chat[:, None] * tl.sqrt(sigma_sq_single)
-    g_single = g_of(u_single, FAST_EXP)
-
-    tile_best = tl.max(block_max, axis=1)
-    block = tl.arange(0, BLOCKS)[None, :]
-    best_block = tl.min(tl.where(block_max == tile_best[:, None], block, BLOCKS), axis=1)
-    moved = tile_best > held_logit
-    held_here = (block == best_block[:, None]) & moved[:, None]
-    single_u = tl.sum(tl.where(held_here, 0.0, weighted(w_single, u_single)), axis=1)
-    single_b = tl.sum(tl.where(held_here, 0.0, weighted(w_single, g_single)), axis=1)
-    single_w = tl.sum(tl.where(held_here, 0.0, w_single), axis=1)
-    # The token held so far, in the tile's frame (weight 0 while none is held).
-    w_old = tl.exp(held_logit - shift)
-    single_u += tl.where(moved, weighted(w_old, u_held), 0.0)
-    single_b += tl.where(moved, weighted(w_old, g_held), 0.0)
-    single_w += tl.where(moved, w_old, 0.0)
-    u_new = tl.sum(tl.where(held_here, u_single, 0.0), axis=1)
-    g_new = tl.sum(tl.where(held_here, g_single, 0.0), axis=1)
-    return (
-        tl.reshape(singleton, (ROWS, N)),
-        inf_where_nan(single_u),
-        inf_where_nan(single_b),
-        single_w,
-        tl.where(moved, tile_best, held_logit),
-        tl.where(moved, u_new, u_held),
-        tl.where(moved, g_new, g_held),
-    )
+    # Block by block, in sequence order, on the [rows, N] tile itself: masks and row reductions, no reshape. (Built
+    # as [rows, blocks, 32] and reshaped back, the mask came out empty for rows 8-11 of a 16-row tile compiled for
+    # sm_90 by Triton 3.6, where the interpreter had it right.)
+    columns = tl.arange(0, N)[None, :]
+    singleton = tl.zeros(logits.shape, tl.int1)
+    single_u = tl.zeros(held_logit.shape, tl.float32)
+    single_b = tl.zeros(held_logit.shape, tl.float32)
+    single_w = tl.zeros(held_logit.shape, tl.float32)
+    for block in tl.static_range(N // CELL_BLOCK):
+        in_block = (columns >= block * CELL_BLOCK) & (columns < (block + 1) * CELL_BLOCK)
+        candidates = tl.where(in_block & ends, logits, -FP32_INF)
+        block_max = tl.max(candidates, axis=1)
+        # The first argmax, from the max already reduced: one integer min instead of an argmax pair.
+        first = tl.min(tl.where(candidates == block_max[:, None], columns, N), axis=1)
+        is_single = (columns == first[:, None]) & (block_max > -FP32_INF)[:, None]
+        singleton = singleton | is_single
+        w_block = tl.exp(block_max - shift)
+        u_block = chat * tl.sqrt(tl.sum(tl.where(is_single, sigma_sq, 0.0), axis=1))
+        g_block = g_of(u_block, FAST_EXP)
+        # The loser joins the rest sums: the token held so far (weight 0 while none is held) or this block's.
+        moved = block_max > held_logit
+        w_old = tl.exp(held_logit - shift)
+        single_u += tl.where(moved, weighted(w_old, u_held), weighted(w_block, u_block))
+        single_b += tl.where(moved, weighted(w_old, g_held), weighted(w_block, g_block))
+        single_w += tl.where(moved, w_old, w_block)
+        held_logit = tl.where(moved, block_max, held_logit)
+        u_held = tl.where(moved, u_block, u_held)
+        g_held = tl.where(moved, g_block, g_held)
+    return singleton, inf_where_nan(single_u), inf_where_nan(single_b), single_w, held_logit, u_held, g_held
 
 
 @triton.jit
