@@ -2,12 +2,14 @@
 # GPU runs on the device machine, in stages that each fit one call of the device tool (10 minutes at most).
 # Run from the repository root; results go to $OUT (default bench/results/tmp).
 #
-#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 the table, the what-ifs
-#                                                    # momentsends, ends and momentsfirst, then ws_session.sh's table
-#                                                    # and lab (about 12 minutes: a call stopped at 10 returns what
-#                                                    # the earlier stages wrote); on another card the same what-ifs'
-#                                                    # L2-resident runs alone (the decode targets are set on the
-#                                                    # H200; about 4 minutes)
+#   bash bench/lab/device_session.sh auto            # by the card that came: on an H200 the table, the kernel paired
+#                                                    # with the per-token certificate's stage 1 (dddfc61; carry
+#                                                    # bench/results/tmp with it, written by whatif_stage1.py none --rev
+#                                                    # dddfc61 --output bench/results/tmp/stage1_per_token.py) with the
+#                                                    # reads in the L2, then ws_session.sh's table and lab (about 11 minutes: a
+#                                                    # call stopped at 10 returns what the earlier stages wrote); on
+#                                                    # another card that pairing alone (the decode targets are set on
+#                                                    # the H200; about 2 minutes)
 #   bash bench/lab/device_session.sh validate        # install, then the GPU contract tests (about 5 minutes);
 #                                                    # with .whl/ carried (bench/e2e_wheels.sh), the cache and
 #                                                    # aggregator GPU tests too (about 1 minute more)
@@ -114,6 +116,17 @@ whatif_resident() {
         --resident-slots 16384 --variants int8_nocert int8_cert base_cert --output "$out/whatif_${1}_resident.json"
 }
 
+per_token_resident() {
+    # The kernel against the Gluon stage 1 with per-token certificate sums (dddfc61), the reads in the L2. The
+    # machine has no git history: the file is written here and carried.
+    local file=bench/results/tmp/stage1_per_token.py
+    [[ -f "$file" ]] || { echo "missing $file: python bench/lab/whatif_stage1.py none --rev dddfc61 --output $file," \
+        "then carry bench/results/tmp" >&2; return 2; }
+    python3 bench/bench_kernels.py --v-dither off "${whatif_sizes[@]}" --resident-slots 16384 \
+        --baseline-stage1 "$file" --variants int8_nocert int8_cert base_nocert base_cert \
+        --output "$out/kernels_cells_resident.json"
+}
+
 occupancy() {
     python3 bench/lab/whatif_stage1.py qshared --output "$out/stage1_qshared.py"
     local paired=(--baseline-stage1 "$out/stage1_qshared.py" --baseline-maxnreg 128
@@ -146,16 +159,15 @@ auto)
     echo "card: $card" | tee "$out/card.txt"
     # In order of need: a call stopped at its time limit still returns what the earlier stages wrote.
     if [[ "$card" == *H200* ]]; then
-        # What the H200 has not measured yet: the issue's table on the kernel as it is (V as one operand), what the
-        # cheaper certificates buy (momentsends, ends, momentsfirst), then the warp-specialised kernel and the copy
-        # mechanisms.
+        # What the H200 has not measured yet: the issue's table on the kernel as it is (the certificate from cells),
+        # the certificate's cost against the per-token sums' with the reads in the L2, then the warp-specialised
+        # kernel and the copy mechanisms.
         table
-        whatifs momentsends ends momentsfirst
+        per_token_resident
         OUT="$out" bash bench/lab/ws_session.sh table lab
     else
-        # Another card is memory-bound at these sizes: the what-ifs' L2-resident runs alone stand in for the H200
-        # (bench/results/whatif_*_resident_h100.json has them all once; a second run gives their spread).
-        for name in momentsends ends momentsfirst; do whatif_resident "$name"; done
+        # Another card is memory-bound at these sizes: with the reads in the L2 it stands in for the H200.
+        per_token_resident
     fi
     ;;
 validate)
