@@ -35,8 +35,6 @@ from witcert.kernels.gluon_tiles import (
     V_LOAD,
     V_SHARED,
     async_load,
-    certificate_end_tile,
-    certificate_tile,
     is_end_tile,
     loop_start,
     program_heads,
@@ -47,6 +45,7 @@ from witcert.kernels.gluon_tiles import (
     softmax_tile,
     store_split,
     tile_argmax,
+    tile_certificate,
     tile_sigma_sq,
     tile_tokens,
     v_dither_tile,
@@ -254,12 +253,9 @@ def decode_stage1_gluon(
         if CERTIFICATE:
             if V_DITHER:
                 sigma_sq = tile_sigma_sq(tile_scales, sigma_op, token_ok)
-            if end_tile:
-                rest, held = certificate_end_tile(
-                    tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
-                )
-            else:
-                rest = certificate_tile(rest_alpha, weights, sigma_sq, chat, rest)
+            rest, held = tile_certificate(
+                end_tile, tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
+            )
 
         running_max = new_max
         slots = next_slots

@@ -43,8 +43,6 @@ from witcert.kernels.gluon_tiles import (
     TOKENS,
     V_SHARED,
     async_load,
-    certificate_end_tile,
-    certificate_tile,
     is_end_tile,
     loop_start,
     program_heads,
@@ -55,6 +53,7 @@ from witcert.kernels.gluon_tiles import (
     softmax_tile,
     store_split,
     tile_argmax,
+    tile_certificate,
     tile_sigma_sq,
     tile_tokens,
     v_dither_tile,
@@ -184,12 +183,9 @@ def _consume(
 
         if CERTIFICATE:
             sigma_sq = tile_sigma_sq(tile_scales, sigma_op, token_ok)
-            if end_tile:
-                rest, held = certificate_end_tile(
-                    tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
-                )
-            else:
-                rest = certificate_tile(rest_alpha, weights, sigma_sq, chat, rest)
+            rest, held = tile_certificate(
+                end_tile, tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
+            )
         # The stage is free once the four warps have read it (the arrive waits for them).
         mbarrier.arrive(empty.index(stage), count=1)
 

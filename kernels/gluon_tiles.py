@@ -915,6 +915,18 @@ def certificate_end_tile(tile_arg, tile_max, shift, rest_alpha, weights, sigma_s
 
 
 @gluon.jit
+def tile_certificate(end_tile, tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held):
+    """The certificate's state ``(rest, held)`` after a tile: ``certificate_end_tile`` on the row's end tiles,
+    ``certificate_tile`` between them (``end_tile``, a scalar: the whole program takes one side)."""
+    if end_tile:
+        rest, held = certificate_end_tile(tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row,
+                                          rest, held)  # fmt: skip
+    else:
+        rest = certificate_tile(rest_alpha, weights, sigma_sq, chat, rest)
+    return rest, held
+
+
+@gluon.jit
 def store_split(
     acc0, acc1, running_max, running_sum, rest, held, slot_max, dither_sums, row_ok, num_slots, row, split, kv_head,
     first_local, VAlpha, PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU,

@@ -552,12 +552,9 @@ _RADIUSEARLY = [
     ("        if CERTIFICATE:\n            if V_DITHER:\n                " + _SIGMA_CALL, "        if CERTIFICATE:\n"),
     (_TILE_ARGMAX, _TILE_ARGMAX + "            " + _SIGMA_CALL),
 ]
-_CERTIFICATE_CALL = """            if end_tile:
-                rest, held = certificate_end_tile(
-                    tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
-                )
-            else:
-                rest = certificate_tile(rest_alpha, weights, sigma_sq, chat, rest)
+_CERTIFICATE_CALL = """            rest, held = tile_certificate(
+                end_tile, tile_arg, tile_max, shift, rest_alpha, weights, sigma_sq, chat, fold_row, rest, held
+            )
 """
 _CERTEARLY = [
     _SIGMA_OFF_PV,
