@@ -39,8 +39,8 @@ A kernel runs, per split: ``query_operands`` and ``loop_start``; per tile, with 
 memory (K's in one ``K_ROWS_SHARED`` buffer or one ``ROW_MAJOR`` buffer per channel group, read in ``K_GROUP``'s
 placement; V's in ``V_LOAD``'s, in ``V_SHARED`` buffers), ``tile_tokens``, ``qk_tile``, ``softmax_tile``,
 ``tile_argmax`` (with the certificate, on an end tile) and ``tile_sigma_sq`` (with the certificate), ``pv_tokens``
-on each 16-token half, ``v_dither_tile`` (a dithered V) and ``certificate_end_tile`` or ``certificate_tile``; then
-``store_split``.
+on each 16-token half, ``v_dither_tile`` (a dithered V) and ``tile_certificate`` (``certificate_end_tile`` or
+``certificate_tile``); then ``store_split``.
 
 Values are those of the Triton kernel (docs/KERNELS.md, "Exactness"): the MMAs take ``-code``, exact in fp16,
 and start from ``sum(q_g alpha_g)``, so that they compute the negated logit part ``-q_g . (code_g - alpha_g)`` up
