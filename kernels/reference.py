@@ -671,7 +671,9 @@ def _block_first_argmax(candidates: torch.Tensor) -> torch.Tensor:
     """``[..., S]`` bool: in each block of 32 tokens, the first token with the largest ``candidates`` value, where
     that value is ``>= 0`` (a block whose values are all negative has none)."""
     num_tokens = candidates.shape[-1]
-    blocks = torch.nn.functional.pad(candidates, (0, -num_tokens % CELL_BLOCK), value=-1.0).unflatten(-1, (-1, 32))
+    blocks = torch.nn.functional.pad(candidates, (0, -num_tokens % CELL_BLOCK), value=-1.0).unflatten(
+        -1, (-1, CELL_BLOCK)
+    )
     first = blocks.argmax(-1, keepdim=True)
     picked = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, first, blocks.gather(-1, first) >= 0)
     return picked.flatten(-2)[..., :num_tokens]

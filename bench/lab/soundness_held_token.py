@@ -11,8 +11,10 @@ apart the global argmax or the end tiles' argmax. Prints the share of vacuous ce
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
@@ -22,22 +24,21 @@ from witcert.kernels import reference  # noqa: E402
 from witcert.kernels.soundness import _keys  # noqa: E402
 
 
-def per_token_certificate(probs: torch.Tensor, radius: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """THEORY.md section 3's bounds from sums taken token by token, ``held`` ``[...]`` held apart."""
-    rest = torch.arange(probs.shape[-1]) != held[..., None]
-    zero = torch.zeros((), dtype=probs.dtype)
-    u_rest = torch.where(rest, reference.mul_nonneg(probs, radius), zero).sum(-1)
-    b_rest = torch.where(rest, reference.mul_nonneg(probs, reference.expm1_minus_x(radius)), zero).sum(-1)
-    p_rest = torch.where(rest, probs, zero).sum(-1)
-    p_max = probs.gather(-1, held[..., None]).squeeze(-1)
-    u_max = radius.gather(-1, held[..., None]).squeeze(-1)
-    return reference.CertificateAccumulators(u_rest + b_rest, b_rest, u_rest, p_rest, p_max, u_max).certificate
+def _per_token_accumulators():
+    """``certificate_variants.per_token_accumulators``, imported by path (lab scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "certificate_variants", Path(__file__).with_name("certificate_variants.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.per_token_accumulators
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--caches", type=int, default=24, help="caches of S = 512 .. 4096, 2 steps of 14 heads each")
     args = parser.parse_args()
+    per_token = _per_token_accumulators()
     generator = torch.Generator().manual_seed(1)
     kv_heads, group, head_dim = 2, 7, 128
     delta = reference.delta_step(28, kv_heads * group)
@@ -54,11 +55,9 @@ def main() -> None:
             q = temperature * torch.randn(kv_heads * group, head_dim, generator=generator, dtype=torch.float64)
             result = reference.decode_attention(q, k, v, sm_scale=1 / math.sqrt(head_dim), delta_step=delta)
             found["product"].append(result.certificate)
-            found["per-token, global argmax"].append(
-                per_token_certificate(result.probs, result.radius, result.probs.argmax(-1))
-            )
+            found["per-token, global argmax"].append(per_token(result.probs, result.radius).certificate)
             end_argmax = result.probs.masked_fill(~ends, -1.0).argmax(-1)
-            found["per-token, end tiles"].append(per_token_certificate(result.probs, result.radius, end_argmax))
+            found["per-token, end tiles"].append(per_token(result.probs, result.radius, end_argmax).certificate)
     for name, certificates in found.items():
         joined = torch.cat(certificates)
         vacuous = float((joined >= 1).double().mean())

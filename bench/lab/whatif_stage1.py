@@ -250,7 +250,7 @@ _MOMENTS_FIRST = [
 ]
 
 # ends: the argmax held apart over the sequence's first and last tiles only (certificate_variants.py's held_ends):
-# those tiles run today's argmax and fold, every other tile adds all its tokens to the sums, as noheld does, behind a
+# those tiles run dddfc61's argmax and fold, every other tile adds all its tokens to the sums, as noheld does, behind a
 # branch on the tile's start (a scalar: the whole program takes the same side). What it times: the loop's usual
 # tile without the argmax, and the branch. The held token's own logit (which the design tracks apart from the running
 # max, since tiles between the ends move the max without changing the held token) is not kept: it times the same.
