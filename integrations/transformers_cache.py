@@ -124,6 +124,7 @@ class WitcertCache(Cache):
         self.model_name: str | None = getattr(config, "name_or_path", None) or None
         self.num_layers: int = text_config.num_hidden_layers
         self.num_q_heads: int = text_config.num_attention_heads
+        self.windows: list[int | None] = layer_windows(text_config)
         if max_cache_len <= 0:
             raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
         super().__init__(layers=[WitcertLayer(self, i) for i in range(self.num_layers)])
@@ -146,7 +147,8 @@ class WitcertCache(Cache):
         self.skip: list[torch.Tensor] = []
         self.repaired: list[RepairedStore] = []
         self._returned: tuple[int, torch.Tensor] | None = None
-        # Every layer of a decode step reads the same slots: build the paging once per (batch, length).
+        # The layers of a decode step read the same slots (or, on sliding-window layers, the same window): the
+        # paging is built once per (batch, first, length).
         self._paging: tuple[tuple[int, int], DecodePaging] | None = None
         # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on).
         self._report: StepReport | None = None
@@ -224,10 +226,18 @@ class WitcertCache(Cache):
             on_step=self._account,
         )
 
-    def slots(self, batch_index: int, length: int) -> torch.Tensor:
-        """Pool slots of one sequence's first ``length`` positions (sequence ``b`` owns a contiguous range)."""
+    def slots(self, batch_index: int, length: int, first: int = 0) -> torch.Tensor:
+        """Pool slots of one sequence's positions ``first .. length - 1`` (sequence ``b`` owns a contiguous range)."""
         start = batch_index * self.max_cache_len
-        return torch.arange(start, start + length, device=self.device)
+        return torch.arange(start + first, start + length, device=self.device)
+
+    def visible(self, layer: int) -> tuple[int, int]:
+        """``(first, length)``: the positions the newest token of ``layer`` attends to, ``first .. length - 1``: all
+        of them, or on a sliding-window layer the last ``window`` (the token itself included, as transformers'
+        sliding mask has it)."""
+        length = self.layers[layer].length
+        window = self.windows[layer]
+        return (0 if window is None else max(0, length - window)), length
 
     @property
     def bytes_per_token(self) -> int:
@@ -275,8 +285,10 @@ class WitcertCache(Cache):
         past_v = torch.stack([p[1] for p in past]).transpose(1, 2).to(v.dtype)
         return torch.cat((past_k, k), dim=-2), torch.cat((past_v, v), dim=-2)
 
-    def _read_back(self, layer: int, batch_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = self.slots(batch_index, length)
+    def _read_back(
+        self, layer: int, batch_index: int, length: int, first: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slots(batch_index, length, first)
         mask, exact_k, exact_v = self.repaired[layer].dense(self.skip[layer], slots)
         k = torch.where(mask[..., None], exact_k.float(), self.pool.dequantize(layer, slots, "k"))
         v = torch.where(mask[..., None], exact_v.float(), self.pool.dequantize(layer, slots, "v"))
@@ -288,33 +300,35 @@ class WitcertCache(Cache):
             raise RuntimeError("exact keys are kept only in gate mode or with keep_exact=True")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the backup copies are asynchronous
-        length = self.layers[layer].length
-        return self.backup["k"][layer, self.slots(batch_index, length).cpu()].to(self.device)
+        first, length = self.visible(layer)
+        return self.backup["k"][layer, self.slots(batch_index, length, first).cpu()].to(self.device)
 
     def keys_read(self, layer: int, batch_index: int) -> torch.Tensor:
-        """The keys ``[S, H_kv, D]`` (float32) the latest decode step of ``layer`` read for one row.
+        """The keys ``[S, H_kv, D]`` (float32) the latest decode step of ``layer`` read for one row (``visible``).
 
         The dequantized pool, except exact rows at the repaired (slot, KV head) pairs (gate mode).
         """
-        return self._read_back(layer, batch_index, self.layers[layer].length)[0]
+        first, length = self.visible(layer)
+        return self._read_back(layer, batch_index, length, first)[0]
 
     # --- decode ----------------------------------------------------------------------------------
 
     def claims(self, layer: int, key: torch.Tensor) -> bool:
         return self._returned is not None and self._returned[0] == layer and self._returned[1] is key
 
-    def _paging_for(self, batch: int, length: int) -> DecodePaging:
-        """The pool's paging for ``batch`` sequences of ``length`` tokens each (sequence ``b`` from slot
-        ``b * max_cache_len``); no slot is read by two sequences, so gate mode needs no host sync for it."""
-        if self._paging is None or self._paging[0] != (batch, length):
+    def _paging_for(self, batch: int, first: int, length: int) -> DecodePaging:
+        """The pool's paging for ``batch`` sequences reading positions ``first .. length - 1`` each (sequence ``b``
+        from slot ``b * max_cache_len``); no slot is read by two sequences, so gate mode needs no host sync for it."""
+        if self._paging is None or self._paging[0] != (batch, first, length):
+            read = length - first
             kv_indices = (
                 torch.arange(batch, device=self.device)[:, None] * self.max_cache_len
-                + torch.arange(length, device=self.device)
+                + torch.arange(first, length, device=self.device)
             ).reshape(-1)
-            kv_indptr = torch.arange(batch + 1, device=self.device) * length
-            host = ([b * length for b in range(batch + 1)], 1 if length else 0)
+            kv_indptr = torch.arange(batch + 1, device=self.device) * read
+            host = ([b * read for b in range(batch + 1)], 1 if read else 0)
             paging = DecodePaging.build(kv_indptr, kv_indices, gate=self.policy.mode is GateMode.GATE, host=host)
-            self._paging = ((batch, length), paging)
+            self._paging = ((batch, first, length), paging)
         return self._paging[1]
 
     def decode(self, layer: int, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -331,7 +345,7 @@ class WitcertCache(Cache):
         q = query.to(self.cache_dtype).contiguous()
         if layer == 0:
             self.decode_steps += 1
-        return self._decode(layer, q, self._paging_for(batch, self.layers[layer].length), sm_scale).out
+        return self._decode(layer, q, self._paging_for(batch, *self.visible(layer)), sm_scale).out
 
     def _account(self, layer: int, query: torch.Tensor, step: CertifiedStep, sm_scale: float) -> None:
         """Each certified layer, before it is reported: the running totals, then the audit."""
@@ -360,6 +374,25 @@ class WitcertCache(Cache):
         )
 
 
+def layer_windows(text_config: PreTrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (the tokens a new token attends to, itself included), or ``None`` where it
+    attends to the whole sequence: from ``layer_types`` (Gemma 2 and 3, Qwen2 with ``use_sliding_window``), else one
+    ``sliding_window`` for every layer (Mistral). A kind of attention the cache does not implement is refused."""
+    window = getattr(text_config, "sliding_window", None)
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        return [window] * text_config.num_hidden_layers
+    windows: list[int | None] = []
+    for index, kind in enumerate(types):
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention" and window:
+            windows.append(int(window))
+        else:
+            raise ValueError(f"layer {index}'s attention is {kind!r}: WitcertCache reads whole or sliding windows only")
+    return windows
+
+
 def witcert_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -377,13 +410,12 @@ def witcert_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    # Every layer of a step gets the same padding mask: check it once per step (it syncs with the host).
-    if (
-        layer == 0
-        and attention_mask is not None
-        and not bool((attention_mask == 0).all() if attention_mask.is_floating_point() else attention_mask.all())
-    ):
-        raise ValueError("WitcertCache needs unpadded batches: the attention mask hides some cached tokens")
+    # Every layer of a step gets the same padding mask, less what a sliding window hides: check it once per step (it
+    # syncs with the host), over the tokens the layer reads.
+    if layer == 0 and attention_mask is not None:
+        read = attention_mask[..., cache.visible(layer)[0] :]
+        if not bool((read == 0).all() if read.is_floating_point() else read.all()):
+            raise ValueError("WitcertCache needs unpadded batches: the attention mask hides some cached tokens")
     sm_scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = cache.decode(layer, query[:, :, 0, :], sm_scale)
     return out[:, None].to(query.dtype), None

@@ -7,7 +7,7 @@ import pytest
 import torch
 from counting_aggregator import CountingAggregator, assert_same_counts
 from generation import greedy_generate
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
 from witcert.integrations.gating import CachePolicy, GateMode
 from witcert.integrations.quality import greedy_continuation, random_model, teacher_forced_quality
@@ -207,3 +207,45 @@ def test_a_step_interrupted_before_its_last_layer_is_reported_once(model):
     snapshot = aggregator.snapshot()
     assert_same_counts(snapshot, per_layer.snapshot())
     assert snapshot.samples[:, 0].tolist() == [6, 6 - len(interrupted_steps)]
+
+
+def test_sliding_window_layers_read_their_window_only():
+    """Gemma 3's layers attend within a sliding window or over the whole sequence: a decode step reads the window's
+    slots alone, so the witcert run follows the unquantized one (a cache that read every slot on the sliding layer,
+    its padding check bypassed, moved this model's next-token distribution by 0.18 nats KL, against 2e-5 here)."""
+    config = Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    gemma = Gemma3ForCausalLM(config).eval()
+    use_witcert_attention(gemma)
+    prompt = _prompt(seed=10)  # 24 tokens: three windows
+    continuation = greedy_continuation(gemma, prompt, 6)
+    report = teacher_forced_quality(gemma, prompt, continuation, CachePolicy(mode=GateMode.OBSERVE))
+    assert report.certificates == 2 * 4 * 6
+    assert report.violations == 0 and report.kl_max < 1e-3 and report.top1_agreement == 1.0
+
+    cache = WitcertCache(config, CachePolicy(mode=GateMode.OBSERVE), max_cache_len=32, keep_exact=True)
+    greedy_generate(gemma, prompt, cache, 3)
+    length = cache.layers[0].length
+    assert length > 8 and cache.visible(0) == (length - 8, length) and cache.visible(1) == (0, length)
+    assert cache.keys_read(0, 0).shape[0] == 8 and cache.exact_keys(0, 0).shape[0] == 8
+    assert cache.keys_read(1, 0).shape[0] == length
+
+
+def test_an_attention_kind_the_cache_does_not_implement_is_refused():
+    config = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="layer 0's attention is 'chunked_attention'"):
+        WitcertCache(config, max_cache_len=8)

