@@ -1,6 +1,7 @@
 """The quality table on a trained model and real text, teacher-forced (docs/QUALITY.md).
 
-Method. SmolLM2-135M-Instruct (``witcert.integrations.models``), float32 on CPU. Texts nobody here wrote: the
+Method. A trained model (``--model``, ``witcert.integrations.models``: SmolLM2-135M-Instruct, the default, or Gemma 3
+270M, whose sliding-window layers read their last 512 tokens), float32 on CPU. Texts nobody here wrote: the
 GPL-3 licence Debian ships and Python standard-library sources (``argparse.py``); outlier pairs are calibrated on
 other texts (``witcert calibrate``'s defaults: the Apache-2.0 licence and ``textwrap.py``), so no evaluation text
 is seen by the calibration. For each (text, context): the first ``context`` tokens are the prompt, the text's own
@@ -19,6 +20,7 @@ TV, to four significant digits rounded up); a rerun skips the cases it holds; ``
 
     python bench/quality_table.py --out bench/results/quality_smollm2.json.gz
     python bench/quality_table.py --out bench/results/quality_smollm2.json.gz --markdown
+    python bench/quality_table.py --model gemma-3-270m --pairs 0 4 --out bench/results/quality_gemma3_270m.json.gz
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ from transformers import DynamicCache  # noqa: E402
 
 from witcert.integrations.calibrate import calibrate, default_texts, tokenize_texts  # noqa: E402
 from witcert.integrations.gating import CachePolicy, GateMode  # noqa: E402
-from witcert.integrations.models import SMOLLM2, load_trained  # noqa: E402
+from witcert.integrations.models import GEMMA3_270M, SMOLLM2, load_trained, model_spec  # noqa: E402
 from witcert.integrations.quality import HeadAudit  # noqa: E402
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention  # noqa: E402
 from witcert.kernels.outliers import OutlierFile  # noqa: E402
 
 TAUS = (0.01, 0.05, 0.1, 0.2)
 PAIRS = (0, 2, 4, 8, 16)
+# Each model's prefix in the names of its results and outlier files.
+PREFIX = {SMOLLM2.name: "smollm2", GEMMA3_270M.name: "gemma3_270m"}
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # (text, context) in the order they run: the longest contexts of both texts first, so a run cut short still
 # covers 512 to 8k.
@@ -100,7 +104,9 @@ def step_log_probs(model, cache, tokens: torch.Tensor) -> torch.Tensor:
 
 def run_case(model, prompt: torch.Tensor, forced: torch.Tensor, configs: dict, gate_tau: float, log) -> dict:
     """Every configuration on one (prompt, forced tokens): raw per-head certificates and true TVs, KL, top-1."""
-    reference_cache = DynamicCache(config=model.config)
+    # Every layer keeps all its K/V (no config: no sliding-window layer drops the oldest), so the witcert caches get
+    # the whole prompt; the masks still give each sliding layer its window.
+    reference_cache = DynamicCache()
     with torch.no_grad():
         model(input_ids=prompt, use_cache=True, **{cache_kwarg(model): reference_cache})
     prefill = [(layer.keys.clone(), layer.values.clone()) for layer in reference_cache.layers]
@@ -131,18 +137,18 @@ def run_case(model, prompt: torch.Tensor, forced: torch.Tensor, configs: dict, g
     return results
 
 
-def calibrated_files(model, tokenizer, directory: Path, log) -> dict[int, Path]:
-    """Outlier files for every m, calibrated once at the largest m (greedy choices nest)."""
-    largest = max(PAIRS)
-    paths = {m: directory / f"smollm2_calibrated_m{m}.json" for m in PAIRS if m}
+def calibrated_files(model, tokenizer, name: str, pairs: list[int], directory: Path, log) -> dict[int, Path]:
+    """Outlier files for every m of ``pairs``, calibrated once at the largest m (greedy choices nest)."""
+    largest = max(pairs)
+    paths = {m: directory / f"{PREFIX[name]}_calibrated_m{m}.json" for m in pairs if m}
     if all(p.is_file() for p in paths.values()):
         return paths
     log(f"calibrating m = {largest} on {', '.join(str(p) for p in default_texts())}")
     texts = tokenize_texts(tokenizer, default_texts(), 2048)
-    result = calibrate(model, texts, largest, model_name=SMOLLM2.name)
+    result = calibrate(model, texts, largest, model_name=name)
     for m, path in paths.items():
         OutlierFile(
-            model=SMOLLM2.name,
+            model=name,
             num_layers=result.outliers.num_layers,
             num_kv_heads=result.outliers.num_kv_heads,
             head_dim=result.outliers.head_dim,
@@ -151,18 +157,19 @@ def calibrated_files(model, tokenizer, directory: Path, log) -> dict[int, Path]:
             calibration={k: v for k, v in result.outliers.calibration.items() if not k.startswith("mean_certificate")}
             | {"nested_from_m": largest},
         ).save(path)
-    (directory / "smollm2_calibration_value_error.json").write_text(json.dumps(result.value_error, indent=1) + "\n")
+    value_error = directory / f"{PREFIX[name]}_calibration_value_error.json"
+    value_error.write_text(json.dumps(result.value_error, indent=1) + "\n")
     return paths
 
 
-def lowest_files(model, directory: Path) -> dict[int, Path]:
+def lowest_files(model, name: str, pairs: list[int], directory: Path) -> dict[int, Path]:
     config = model.config
     paths = {}
-    for m in PAIRS:
+    for m in pairs:
         if m:
             paths[m] = OutlierFile.lowest_frequency(
-                SMOLLM2.name, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, m
-            ).save(directory / f"smollm2_lowest_m{m}.json")
+                name, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, m
+            ).save(directory / f"{PREFIX[name]}_lowest_m{m}.json")
     return paths
 
 
@@ -210,7 +217,7 @@ def markdown(data: dict) -> str:
         f"| top-1 | gate tau {data['gate_tau']}: fallbacks | repaired bytes | gate violations | gate KL |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in PAIRS:
+    for m in data.get("pairs", PAIRS):
         for method in ("calibrated", "lowest") if m else ("none",):
             observe = summarize(cases, f"m{m}-{method}-observe")
             gate = summarize(cases, f"m{m}-{method}-gate")
@@ -225,7 +232,7 @@ def markdown(data: dict) -> str:
     contexts = sorted({c["context"] for c in cases})
     lines.append("| m | pairs | " + " | ".join(str(c) for c in contexts) + " |")
     lines.append("|---|---|" + "---|" * len(contexts))
-    for m in PAIRS:
+    for m in data.get("pairs", PAIRS):
         for method in ("calibrated", "lowest") if m else ("none",):
             cells = []
             for context in contexts:
@@ -237,12 +244,21 @@ def markdown(data: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/quality_smollm2.json.gz"))
+    parser.add_argument("--model", default=SMOLLM2.name, help="trained model (default %(default)s)")
+    parser.add_argument(
+        "--pairs", type=int, nargs="+", default=list(PAIRS), metavar="M",
+        help="exact RoPE pairs per configuration, calibrated and lowest-frequency (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, help="results file (default bench/results/quality_<model>.json.gz)")
     parser.add_argument("--steps", type=int, default=8, help="forced decode steps per case (default 8)")
     parser.add_argument("--gate-tau", type=float, default=0.05)
     parser.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases of CASES")
     parser.add_argument("--markdown", action="store_true", help="print the tables from --out and exit")
     args = parser.parse_args()
+    spec = model_spec(args.model)
+    if 0 not in args.pairs or any(m < 0 for m in args.pairs):
+        parser.error("--pairs lists m >= 0 and includes 0 (the configuration without exact channels)")
+    args.out = args.out or Path(f"bench/results/quality_{PREFIX[spec.name]}.json.gz")
     if args.markdown:
         with gzip.open(args.out, "rt") as stream:
             print(markdown(json.load(stream)))
@@ -252,15 +268,16 @@ def main() -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
     torch.manual_seed(0)
-    model, tokenizer = load_trained()
+    model, tokenizer = load_trained(spec)
     use_witcert_attention(model)
     files_dir = args.out.parent / "outliers"
-    calibrated = calibrated_files(model, tokenizer, files_dir, log)
-    lowest = lowest_files(model, files_dir)
+    pairs = sorted(set(args.pairs))
+    calibrated = calibrated_files(model, tokenizer, spec.name, pairs, files_dir, log) if pairs[-1] else {}
+    lowest = lowest_files(model, spec.name, pairs, files_dir)
     configs = {}
     for mode in (GateMode.OBSERVE, GateMode.GATE):
         configs[f"m0-none-{mode}"] = (None, mode)
-        for m in PAIRS[1:]:
+        for m in pairs[1:]:
             configs[f"m{m}-calibrated-{mode}"] = (calibrated[m], mode)
             configs[f"m{m}-lowest-{mode}"] = (lowest[m], mode)
 
@@ -268,9 +285,11 @@ def main() -> int:
     if args.out.is_file():
         with gzip.open(args.out, "rt") as stream:
             data = json.load(stream)
-    if data is None or data.get("steps") != args.steps or data.get("gate_tau") != args.gate_tau:
+    same = data is not None and data.get("model") == spec.name and data.get("pairs", list(PAIRS)) == pairs
+    if not same or data.get("steps") != args.steps or data.get("gate_tau") != args.gate_tau:
         data = {
-            "model": SMOLLM2.name,
+            "model": spec.name,
+            "pairs": pairs,
             "steps": args.steps,
             "gate_tau": args.gate_tau,
             "commit": _commit(),

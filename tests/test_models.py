@@ -250,3 +250,17 @@ def test_the_sglang_plugin_reads_the_outlier_file_from_its_environment(tmp_path)
     assert per_token == 30 * 2 * 3 * (64 + 2 * 2 + 2 * 8)
     with pytest.raises(OutlierFileError, match="this cache has 28 layers"):
         policy.outlier_channels(28, 3, 64)
+
+
+def test_the_demo_asks_a_chat_model_in_its_template_and_a_base_model_in_plain_text(trained_model):
+    import copy
+
+    from witcert.demo import prompt_ids
+
+    _, tokenizer = trained_model
+    chat = tokenizer.decode(prompt_ids(tokenizer, "Why is the sky blue?")[0])
+    assert "Why is the sky blue?" in chat and "user" in chat and chat != "Why is the sky blue?"
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None
+    plain = prompt_ids(base, "Why is the sky blue?")
+    assert torch.equal(plain, tokenizer("Why is the sky blue?", return_tensors="pt")["input_ids"])

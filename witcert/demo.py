@@ -35,8 +35,12 @@ ENGINE = "transformers"
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 RANDOM_MODEL = "random"
-# The outlier pairs `witcert calibrate --pairs 4` chose for the default model (docs/QUALITY.md has the command).
-SHIPPED_OUTLIERS = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "data" / "smollm2_outliers_m4.json"}
+# The outlier pairs `witcert calibrate --pairs 4 --model NAME` chose for each trained model (docs/QUALITY.md).
+_DATA = Path(__file__).resolve().parent / "data"
+SHIPPED_OUTLIERS = {
+    "smollm2-135m-instruct": _DATA / "smollm2_outliers_m4.json",
+    "gemma-3-270m": _DATA / "gemma3_270m_outliers_m4.json",
+}
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,17 @@ class _LoadedModel:
     outlier_file: Path | None
 
 
+def prompt_ids(tokenizer, text: str) -> torch.Tensor:
+    """``[1, P]`` token ids of ``text`` as a user's turn in the model's chat template, or, for a base model without
+    one (Gemma 3 270M), as the text it continues."""
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:
+        ids = tokenizer(text, return_tensors="pt")
+    return ids["input_ids"]
+
+
 def _load_model(options: DemoOptions, device: torch.device, dtype: torch.dtype, console: Console) -> _LoadedModel:
     if options.model == RANDOM_MODEL:
         from witcert.integrations.quality import random_model
@@ -177,9 +192,7 @@ def _load_model(options: DemoOptions, device: torch.device, dtype: torch.dtype, 
         model, tokenizer = load_trained(spec, device=device, dtype=dtype, progress=report)
     finally:
         progress.stop()
-    messages = [{"role": "user", "content": options.prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    prompt = ids["input_ids"].expand(options.batch, -1).contiguous()
+    prompt = prompt_ids(tokenizer, options.prompt).expand(options.batch, -1).contiguous()
     eos = model.generation_config.eos_token_id
     stop = torch.tensor([eos] if isinstance(eos, int) else list(eos or ()), dtype=torch.int64)
     outliers = None

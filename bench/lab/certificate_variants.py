@@ -38,14 +38,16 @@ and, for the moments, ``c + kappa`` with ``kappa`` per head (``RadiusParts.c_hat
   gives its own first argmax a cell of its own (a warp holds it apart there, then holds it or folds it back alone),
   so that the sums do not depend on the order a kernel meets the tiles in.
 
-Method. SmolLM2-135M-Instruct on CPU, teacher-forced as ``bench/quality_table.py`` runs it (the prompt prefilled on
-exact K/V, then ``--steps`` forced decode steps through a witcert cache in observe mode). Every decode call of the
+Method. A trained model on CPU (``--model``: SmolLM2-135M-Instruct, or Gemma 3 270M, whose sliding-window layers
+read their last 512 tokens), teacher-forced as ``bench/quality_table.py`` runs it (the prompt prefilled on exact
+K/V, then ``--steps`` forced decode steps through a witcert cache in observe mode). Every decode call of the
 reference path is intercepted where it computes the radii and accumulates the certificate: the same softmax weights
 and scales give the certificate as the kernels compute it and each variant's (blocks of consecutive tokens from the
 sequence's start, as a warp's 32 tokens of a tile are when the split starts at a multiple of 128). The true TV
 (exact keys against the keys read, float64) checks that none is ever below it.
 
     python bench/lab/certificate_variants.py --out bench/results/certificate_variants_smollm2.json
+    python bench/lab/certificate_variants.py --model gemma-3-270m --out bench/results/certificate_variants_gemma3.json
 """
 
 from __future__ import annotations
@@ -60,16 +62,20 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "0")  # the torch reference path, which the interception reads
 
 import torch  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
 
 from witcert.integrations.calibrate import tokenize_texts  # noqa: E402
 from witcert.integrations.gating import CachePolicy, GateMode  # noqa: E402
-from witcert.integrations.models import load_trained  # noqa: E402
+from witcert.integrations.models import GEMMA3_270M, SMOLLM2, load_trained, model_spec  # noqa: E402
 from witcert.integrations.quality import HeadAudit  # noqa: E402
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention  # noqa: E402
 from witcert.kernels import reference  # noqa: E402
 
 TEXTS = {"GPL-3": Path("/usr/share/common-licenses/GPL-3"), "argparse.py": Path(os.__file__).parent / "argparse.py"}
+# Each model's outlier pairs, from `witcert calibrate --pairs 4 --model NAME --out FILE`.
+CALIBRATED = {
+    SMOLLM2.name: Path("bench/results/outliers/smollm2_calibrated_m4.json"),
+    GEMMA3_270M.name: Path("bench/results/outliers/gemma3_270m_calibrated_m4.json"),
+}
 CASES = [("GPL-3", 1024), ("argparse.py", 2048), ("GPL-3", 4096), ("argparse.py", 8184)]
 TAUS = (0.01, 0.05, 0.1, 0.2)
 # The summary's entries that describe the run rather than a variant.
@@ -287,15 +293,14 @@ class Interception:
 
 def run_case(model, prompt: torch.Tensor, forced: torch.Tensor, policy: CachePolicy) -> dict:
     kwarg = cache_kwarg(model)
-    exact = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=prompt, use_cache=True, **{kwarg: exact})
     audit = HeadAudit()
     cache = WitcertCache(
         model.config, policy, max_cache_len=prompt.shape[1] + forced.shape[1], keep_exact=True, audit=audit
     )
-    for layer_index, layer in enumerate(exact.layers):
-        cache.update(layer.keys.clone(), layer.values.clone(), layer_index)
+    with torch.no_grad():
+        # The prompt attends on the exact K/V it writes; only its last position's logits are kept (a 262k-token
+        # vocabulary over 8k positions would take 8 GB).
+        model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kwarg: cache})
     with Interception() as seen, torch.no_grad():
         for t in range(forced.shape[1]):
             model(input_ids=forced[:, t : t + 1], use_cache=True, **{kwarg: cache})
@@ -344,16 +349,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="results file (JSON)")
     parser.add_argument("--steps", type=int, default=8, help="forced decode steps per case (default 8)")
+    parser.add_argument("--model", default=SMOLLM2.name, help="trained model (default %(default)s)")
     parser.add_argument(
-        "--outliers", type=Path, default=Path("bench/results/outliers/smollm2_calibrated_m4.json"),
-        help="outlier pairs kept exact (default: the 4 calibrated pairs); 'none' for none",
+        "--outliers", type=Path,
+        help="outlier pairs kept exact (default: the model's 4 calibrated pairs, CALIBRATED); 'none' for none",
     )  # fmt: skip
     parser.add_argument("--cases", type=int, default=len(CASES), help=f"the first N of {CASES}")
     args = parser.parse_args()
 
-    model, tokenizer = load_trained()
+    spec = model_spec(args.model)
+    model, tokenizer = load_trained(spec)
     use_witcert_attention(model)
-    outliers = None if str(args.outliers) == "none" else args.outliers
+    outliers = CALIBRATED[spec.name] if args.outliers is None else args.outliers
+    outliers = None if str(outliers) == "none" else outliers
     policy = CachePolicy(mode=GateMode.OBSERVE, outlier_file=outliers)
     cases = []
     for name, context in CASES[: args.cases]:
@@ -369,6 +377,7 @@ def main() -> int:
     result = {
         "method": __doc__.split("\n\n")[3],
         "variants": __doc__.split("\n\n")[2],
+        "model": spec.name,
         "outliers": str(outliers),
         "steps": args.steps,
         "summary": summary(cases),
