@@ -163,6 +163,8 @@ def calibrate(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
     if head_dim % group_size:
         raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
+    if not 0 <= m <= head_dim // 2:
+        raise ValueError(f"{m} pairs asked for: a head of dim {head_dim} has {head_dim // 2} RoPE pairs")
     group = num_q_heads // kv_heads
     windows = layer_windows(config)
     delta = reference.delta_step(num_layers, num_q_heads, delta_req=delta_req, horizon=horizon)
@@ -244,8 +246,8 @@ def _run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
-        if not 0 <= args.pairs <= 32:
-            raise ValueError("--pairs must be between 0 and the head's RoPE pairs")
+        if args.pairs < 0:
+            raise ValueError(f"--pairs must be 0 or more, got {args.pairs}")
         spec = model_spec(args.model)
         console.print(f"loading {spec.name} (converted once into the model cache)")
         model, tokenizer = load_trained(spec)

@@ -264,3 +264,13 @@ def test_the_demo_asks_a_chat_model_in_its_template_and_a_base_model_in_plain_te
     base.chat_template = None
     plain = prompt_ids(base, "Why is the sky blue?")
     assert torch.equal(plain, tokenizer("Why is the sky blue?", return_tensors="pt")["input_ids"])
+
+
+def test_calibrate_refuses_more_pairs_than_the_model_s_head_has(trained_model, tmp_path, capsys):
+    from witcert.cli import main
+
+    out = tmp_path / "o.json"
+    assert main(["calibrate", "--pairs", "33", "--out", str(out)]) == 2
+    assert "33 pairs asked for: a head of dim 64 has 32 RoPE pairs" in capsys.readouterr().err
+    assert main(["calibrate", "--pairs", "-1", "--out", str(out)]) == 2
+    assert "--pairs must be 0 or more, got -1" in capsys.readouterr().err and not out.exists()
