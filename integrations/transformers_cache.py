@@ -147,9 +147,9 @@ class WitcertCache(Cache):
         self.skip: list[torch.Tensor] = []
         self.repaired: list[RepairedStore] = []
         self._returned: tuple[int, torch.Tensor] | None = None
-        # The layers of a decode step read the same slots (or, on sliding-window layers, the same window): the
-        # paging is built once per (batch, first, length).
-        self._paging: tuple[tuple[int, int], DecodePaging] | None = None
+        # The layers of a decode step read the same slots, or on sliding-window layers the same window: the step's
+        # pagings, keyed (batch, first, length), one per window size.
+        self._paging: dict[tuple[int, int, int], DecodePaging] = {}
         # Per-step report buffers [L, B, H_q], allocated with the pool (the batch is fixed from then on).
         self._report: StepReport | None = None
         self._decode: CertifiedDecode | None = None
@@ -319,7 +319,8 @@ class WitcertCache(Cache):
     def _paging_for(self, batch: int, first: int, length: int) -> DecodePaging:
         """The pool's paging for ``batch`` sequences reading positions ``first .. length - 1`` each (sequence ``b``
         from slot ``b * max_cache_len``); no slot is read by two sequences, so gate mode needs no host sync for it."""
-        if self._paging is None or self._paging[0] != (batch, first, length):
+        key = (batch, first, length)
+        if key not in self._paging:
             read = length - first
             kv_indices = (
                 torch.arange(batch, device=self.device)[:, None] * self.max_cache_len
@@ -328,8 +329,8 @@ class WitcertCache(Cache):
             kv_indptr = torch.arange(batch + 1, device=self.device) * read
             host = ([b * read for b in range(batch + 1)], 1 if read else 0)
             paging = DecodePaging.build(kv_indptr, kv_indices, gate=self.policy.mode is GateMode.GATE, host=host)
-            self._paging = ((batch, first, length), paging)
-        return self._paging[1]
+            self._paging = {k: v for k, v in self._paging.items() if k[2] == length} | {key: paging}
+        return self._paging[key]
 
     def decode(self, layer: int, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """Attention of one new token per sequence over the pool: ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``.
