@@ -214,6 +214,16 @@ def test_decode_matches_reference(kv_heads, group, page_size, v_dither, splits):
     assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 
 
+def test_decode_matches_reference_at_gemma_3s_head_dim_256():
+    """Gemma 3 270M's shape (4 query heads on 1 KV head, head dim 256: 8 groups of 32) on the Triton kernel."""
+    lengths = [300, 5]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=1, head_dim=256, v_dither=False)
+    q = _query(len(lengths), 4, head_dim=256)
+    result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=2)
+    assert result.path == "triton-interpreter"
+    assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
 def test_decode_with_outlier_channels_matches_reference():
     channels = reference.rope_pair_channels([2, 40], 128)
     lengths = [90, 20]

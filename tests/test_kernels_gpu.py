@@ -60,9 +60,11 @@ def _expected_path(q: torch.Tensor, pool: KVPool) -> str:
     return "triton-gpu"
 
 
-def _query(rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def _query(
+    rows: int, heads: int, seed: int = 7, dtype: torch.dtype = torch.float16, head_dim: int = 128
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, heads, 128, generator=generator).to(dtype).to(CUDA)
+    return torch.randn(rows, heads, head_dim, generator=generator).to(dtype).to(CUDA)
 
 
 def test_write_and_dither_are_bit_identical_on_gpu():
@@ -133,6 +135,18 @@ def test_decode_matches_reference_on_gpu(kv_heads, group, page_size, v_dither, d
     for splits in (None, 5):
         result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
         assert result.path == _expected_path(q, pool)
+        assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_decode_matches_reference_at_gemma_3s_head_dim_256_on_gpu(dtype):
+    """Gemma 3 270M's shape (4 query heads on 1 KV head, head dim 256), which only the Triton stage 1 covers."""
+    lengths = [1, 2500, 129]
+    pool, indptr, slots = filled_pool(lengths, kv_heads=1, head_dim=256, v_dither=False, device=CUDA, dtype=dtype)
+    q = _query(len(lengths), 4, dtype=dtype, head_dim=256)
+    for splits in (None, 3):
+        result = decode_attention(q, pool, 1, indptr, slots, delta_step=DELTA, num_kv_splits=splits)
+        assert result.path == "triton-gpu"
         assert_matches_oracle(result, q, pool, 1, indptr, slots, delta=DELTA)
 
 
