@@ -390,7 +390,7 @@ def _run_triton(
             NUM_KV_HEADS=pool.kv_heads,
             KV_GROUP=kv_group,
             BLOCK_H=block_h,
-            BLOCK_N=LAUNCH.block_n,
+            BLOCK_N=LAUNCH.triton_block_n(head_dim),
             HEAD_DIM=head_dim,
             GROUP_SIZE=pool.group_size,
             DITHER_BITS=pool.dither_bits,

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 class LaunchConfig:
     """Tile and launch parameters of the stage-1 kernels and the extend paths."""
 
-    # The Triton stage 1's tile: the fastest of the tiles, warps and stages swept on the H200.
+    # The Triton stage 1's tile: the fastest of the tiles, warps and stages swept on the H200 (head dim 128)...
     block_n: int = 128
+    # ...and for heads wider than 128 (Gemma 3's 256), where a 128-token tile spills 27 values a tile in the loop
+    # and a 64-token one 2 with the certificate, 5 without (static SASS, Triton 3.6, sm_90; not yet timed).
+    block_n_wide: int = 64
     num_warps: int = 4
     num_stages: int = 2
     # A register cap for the Triton int8 stage 1 (ptxas .maxnreg): more programs per SM against spills.
@@ -74,6 +77,10 @@ class LaunchConfig:
             return 65536 // (256 * self.gluon_ws_maxnreg)
         cap = self.gluon_maxnreg if certificate else self.gluon_maxnreg_nocert
         return 65536 // (128 * cap) if cap else 2
+
+    def triton_block_n(self, head_dim: int) -> int:
+        """The Triton stage 1's tokens a tile at this head dim."""
+        return self.block_n if head_dim <= 128 else self.block_n_wide
 
 
 LAUNCH = LaunchConfig()
