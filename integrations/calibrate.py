@@ -292,7 +292,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "transformers cache (CachePolicy.outlier_file) and the SGLang plugin (WITCERT_OUTLIER_FILE) load."
         ),
     )
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="trained model (default %(default)s)")
+    parser.add_argument(
+        "--model", default="SmolLM2-135M-Instruct", help="trained model: %(default)s (the default) or gemma-3-270m"
+    )
     parser.add_argument("--pairs", "-m", type=int, default=4, help="RoPE pairs per (layer, KV head) (default 4)")
     parser.add_argument(
         "--text", type=Path, action="append", help="calibration text file (repeatable; default: Apache-2.0 licence "

