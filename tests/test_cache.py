@@ -15,6 +15,11 @@ from witcert.integrations.telemetry.aggregator import CertificateAggregator
 from witcert.integrations.transformers_cache import WitcertCache, cache_kwarg, use_witcert_attention
 
 LAYERS, Q_HEADS, KV_HEADS = 2, 4, 2
+# The other architectures' configs at the same size.
+TINY = dict(
+    vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=Q_HEADS,
+    num_key_value_heads=KV_HEADS, max_position_embeddings=256, initializer_range=0.1,
+)  # fmt: skip
 
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")  # conftest.py: the reference path, not the interpreter
@@ -124,16 +129,7 @@ def test_bad_input_is_refused_with_a_clear_error(model):
 
 
 def test_qwen2_style_model_is_certified_too():
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-    )
+    config = Qwen2Config(**TINY)
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(config).eval()  # q/k/v projections with bias, unlike Llama
     use_witcert_attention(qwen)
@@ -214,19 +210,9 @@ def test_sliding_window_layers_read_their_window_only():
     slots alone, so the witcert run follows the unquantized one (a cache that read every slot on the sliding layer,
     its padding check bypassed, moved this model's next-token distribution by 0.18 nats KL, against 2e-5 here)."""
     config = Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=32,
-        sliding_window=8,
+        **TINY, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=256,
-        initializer_range=0.1,
-    )
+    )  # fmt: skip
     torch.manual_seed(0)
     gemma = Gemma3ForCausalLM(config).eval()
     use_witcert_attention(gemma)
