@@ -17,7 +17,8 @@ class LaunchConfig:
     # The Triton stage 1's tile: the fastest of the tiles, warps and stages swept on the H200 (head dim 128)...
     block_n: int = 128
     # ...and for heads wider than 128 (Gemma 3's 256), where a 128-token tile spills 27 values a tile in the loop
-    # and a 64-token one 2 with the certificate, 5 without (static SASS, Triton 3.6, sm_90; not yet timed).
+    # and a 64-token one 2 with the certificate, 5 without (Triton 3.6, sm_90): 64 is 5-6% faster without the
+    # certificate and 11-17% with it on an H100 (bench/lab/wide_heads.py).
     block_n_wide: int = 64
     num_warps: int = 4
     num_stages: int = 2
