@@ -35,6 +35,7 @@ from witcert.kernels.gluon_tiles import (
     V_LOAD,
     V_SHARED,
     async_load,
+    end_tile_argmax,
     is_end_tile,
     loop_start,
     program_heads,
@@ -44,7 +45,6 @@ from witcert.kernels.gluon_tiles import (
     slot_row,
     softmax_tile,
     store_split,
-    tile_argmax,
     tile_certificate,
     tile_sigma_sq,
     tile_tokens,
@@ -226,14 +226,10 @@ def decode_stage1_gluon(
         logits, tile_max, new_max, shift, rest_alpha, weights, running_sum, first, second, acc0, acc1 = softmax_tile(
             logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1
         )
-        # The certificate's singletons and held token come from the row's first and last tiles alone; the tiles
-        # between take no argmax (tile_arg is then unused).
+        # The certificate's singletons and held token come from the row's first and last tiles alone.
         end_tile = is_end_tile(start, seq_len)
         if CERTIFICATE:
-            if end_tile:
-                tile_arg = tile_argmax(logits, tile_max)
-            else:
-                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS
+            tile_arg = end_tile_argmax(end_tile, logits, tile_max)
         async_copy.wait_group(1)  # this tile's V
         # With V rounded, sigma^2 beside PV's MMAs, which the scheduler interleaves with it (placed after PV, it runs
         # alone); with V dithered, after PV, where it was 1-5% faster on an H100 (docs/KERNELS.md, "The radius beside

@@ -43,6 +43,7 @@ from witcert.kernels.gluon_tiles import (
     TOKENS,
     V_SHARED,
     async_load,
+    end_tile_argmax,
     is_end_tile,
     loop_start,
     program_heads,
@@ -52,7 +53,6 @@ from witcert.kernels.gluon_tiles import (
     slot_row,
     softmax_tile,
     store_split,
-    tile_argmax,
     tile_certificate,
     tile_sigma_sq,
     tile_tokens,
@@ -164,14 +164,10 @@ def _consume(
         logits, tile_max, new_max, shift, rest_alpha, weights, running_sum, first, second, acc0, acc1 = softmax_tile(
             logits, token_ok, logit_scale, running_max, running_sum, acc0, acc1
         )
-        # The certificate's singletons and held token come from the row's first and last tiles alone (tile_arg is
-        # unused on the others).
+        # The certificate's singletons and held token come from the row's first and last tiles alone.
         end_tile = is_end_tile(start, seq_len)
         if CERTIFICATE:
-            if end_tile:
-                tile_arg = tile_argmax(logits, tile_max)
-            else:
-                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS
+            tile_arg = end_tile_argmax(end_tile, logits, tile_max)
         tile_v_scales = vs_ring.index(stage)
         acc0, acc1 = pv_tokens(acc0, acc1, first, (v_ring.index(4 * stage), v_ring.index(4 * stage + 1)),
                                tile_v_scales.slice(0, 4))  # fmt: skip

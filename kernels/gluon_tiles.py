@@ -62,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Scalar and elementwise helpers are plain Triton functions, shared with the Triton kernel.
 from witcert.kernels.triton_kernels import (
+    END_TILE,
     g_of,
     inf_where_nan,
     mul_nonneg,
@@ -74,9 +75,6 @@ NUM_WARPS = 4
 # Per warp and tile: 32 tokens; per program: 8 query heads of one KV head.
 TOKENS = gl.constexpr(32)
 BLOCK_N = gl.constexpr(NUM_WARPS * 32)
-# The row's first and last tiles of this many tokens are where the certificate takes its singletons and held
-# token (reference.END_TILE); a tile of the loop is one of them or lies between them.
-END_TILE = gl.constexpr(128)
 HEADS = gl.constexpr(8)
 HEAD_DIM = gl.constexpr(128)
 GROUP_SIZE = gl.constexpr(32)
@@ -858,6 +856,17 @@ def is_end_tile(start, seq_len):
     (``reference.end_tokens``): positions below 128 or from ``((seq_len - 1) // 128) * 128`` on. One scalar for
     the whole program: a branch every thread takes alike."""
     return (start < END_TILE) | (start + BLOCK_N > (seq_len - 1) // END_TILE * END_TILE)
+
+
+@gluon.jit
+def end_tile_argmax(end_tile, logits, tile_max):
+    """``tile_argmax`` on an end tile (``is_end_tile``); between the end tiles, which take no argmax, ``TOKENS``
+    (past every token: ``tile_certificate`` does not read it there)."""
+    if end_tile:
+        tile_arg = tile_argmax(logits, tile_max)
+    else:
+        tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS
+    return tile_arg
 
 
 @gluon.jit

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from witcert.kernels import reference
+
 # 1.5 * 2**23: adding it rounds a float32 |y| < 2**22 to the nearest integer, ties to even (exactly
 # torch.round), and leaves that integer in the sum's low mantissa bits (the write kernel's codes).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
@@ -34,9 +36,9 @@ P_SCALE = tl.constexpr(16384.0)
 # Where the certificate's sums are taken together (reference.CELL_BLOCK, CELL_STRIDE, END_TILE): a cell is the
 # tokens r, r + 8, r + 16, r + 24 of a 32-token block (from the row's start), and the token held apart is found
 # among the row's first and last tiles of 128 tokens alone.
-CELL_BLOCK = tl.constexpr(32)
-CELL_STRIDE = tl.constexpr(8)
-END_TILE = tl.constexpr(128)
+CELL_BLOCK = tl.constexpr(reference.CELL_BLOCK)
+CELL_STRIDE = tl.constexpr(reference.CELL_STRIDE)
+END_TILE = tl.constexpr(reference.END_TILE)
 
 
 # Counter word 1 of a Philox call: the per-slot part of the dither or a block of its per-channel part

@@ -540,13 +540,7 @@ _SIGMA_OFF_PV = (
     "        if CERTIFICATE and not V_DITHER:\n            " + _SIGMA_CALL + "        acc0, acc1 = pv_tokens(",
     "        acc0, acc1 = pv_tokens(",
 )
-_TILE_ARGMAX = (
-    "        if CERTIFICATE:\n"
-    "            if end_tile:\n"
-    "                tile_arg = tile_argmax(logits, tile_max)\n"
-    "            else:\n"
-    "                tile_arg = gl.zeros_like(tile_max).to(gl.int32) + TOKENS\n"
-)
+_TILE_ARGMAX = "        if CERTIFICATE:\n            tile_arg = end_tile_argmax(end_tile, logits, tile_max)\n"
 _RADIUSEARLY = [
     _SIGMA_OFF_PV,
     ("        if CERTIFICATE:\n            if V_DITHER:\n                " + _SIGMA_CALL, "        if CERTIFICATE:\n"),
