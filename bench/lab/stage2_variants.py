@@ -11,6 +11,8 @@ against the product's stage 2 on the same inputs before it is timed. GPU only.
   or 2 warps (``product_w1``, ``product_w2``): one program per row and query head.
 - ``lean_w{W}_{late|early}``: the product's shape with fewer reductions: the winning split, its logit and its u in
   one, each rest sum with the losers' held tokens in one, the poison read from the weights' sum.
+- ``gluon{H}``: ``lean``'s algebra in Gluon, a warp per query head and ``H`` heads a program, each thread holding all
+  of a head's splits: no lane exchange or barrier, every thread evaluating every split.
 - ``heads{H}_w{W}``: one program per row and block of ``H`` query heads, every value a ``[H, splits]`` tile; the
   certificate's eleven sums in one multi-operand reduction; its six partials loaded beside the LSEs
   (``_early``) or after the output's loads (``_late``); ``_tail``: the held token's ``exp``, ``expm1`` and ``g``
@@ -35,6 +37,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 _ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(_ROOT / "bench"), str(_ROOT / "tests")]
@@ -49,7 +53,7 @@ VARIANTS = [
     "product", "product_w1", "product_w2",
     "lean_w1_late", "lean_w1_early", "lean_w2_late", "lean_w2_early", "lean_w4_late", "lean_w4_early",
     "heads4_w4_late", "heads4_w4_early", "heads4_w1_early", "heads7_w4_early", "heads1_w4_early_tail",
-    "heads4_w4_early_tail", "heads4_w4_early_tail_eager", "heads4_w1_early_tail_eager",
+    "heads4_w4_early_tail", "heads4_w4_early_tail_eager", "heads4_w1_early_tail_eager", "gluon1", "gluon4",
 ]  # fmt: skip
 
 
@@ -252,6 +256,90 @@ def stage2_lean(
         tl.store(Accumulators + 5 * field + index, u_max + poison)
 
 
+@gluon.jit
+def stage2_gluon(
+    PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU, Out, Lse, Certificate, Accumulators,
+    stride_ob, stride_oh, eval_slack, NUM_Q_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    SPLITS_PAD: gl.constexpr, CERTIFICATE: gl.constexpr, HEADS: gl.constexpr,
+):  # fmt: skip
+    """``stage2_lean``'s algebra with a warp per query head and a head's splits in each thread: every reduction
+    over the splits is a thread's own (no lane exchange, no barrier); the lanes share the channels."""
+    out_layout: gl.constexpr = gl.BlockedLayout([1, SPLITS_PAD, HEAD_DIM // 32], [1, 1, 32], [HEADS, 1, 1], [2, 1, 0])
+    split_layout: gl.constexpr = gl.SliceLayout(2, out_layout)
+    head_layout: gl.constexpr = gl.SliceLayout(1, split_layout)
+    channel_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
+    row = gl.program_id(0)
+    heads = gl.program_id(1) * HEADS + gl.arange(0, HEADS, layout=head_layout)
+    head_ok = heads < NUM_Q_HEADS
+    splits = gl.arange(0, SPLITS_PAD, layout=gl.SliceLayout(0, split_layout))[None, :]
+    split_ok = head_ok[:, None] & (splits < NUM_SPLITS)
+    part = ((row * NUM_Q_HEADS + heads) * NUM_SPLITS)[:, None] + splits
+    lse = gl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
+    total = gl.max(lse, axis=1)
+    has_tokens = total > -FP32_INF
+    safe_total = gl.where(has_tokens, total, 0.0)
+    weight = gl.where(lse > -FP32_INF, gl.exp(lse - safe_total[:, None]), 0.0)
+    weight = gl.where(lse != lse, (FP32_INF - FP32_INF), weight)
+    weight_sum = gl.sum(weight, axis=1)
+    global_lse = gl.where(has_tokens, safe_total + gl.log(gl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
+    global_lse = gl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
+    norm = gl.where(has_tokens[:, None], weight / weight_sum[:, None], 0.0)
+    channels = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, channel_layout))
+    used = (norm > 0)[:, :, None]
+    parts = gl.load(PartOut + part[:, :, None] * HEAD_DIM + channels[None, None, :], mask=used, other=0.0)
+    out = gl.sum(gl.where(used, norm[:, :, None] * parts, 0.0), axis=1)
+    poisoned = gl.convert_layout(weight_sum != weight_sum, gl.SliceLayout(1, channel_layout))
+    out = out + gl.where(poisoned, (FP32_INF - FP32_INF), 0.0)[:, None]
+    out_heads = gl.convert_layout(heads, gl.SliceLayout(1, channel_layout))
+    out_ptr = Out + row * stride_ob + out_heads[:, None] * stride_oh + channels[None, :]
+    gl.store(out_ptr, out.to(Out.dtype.element_ty), mask=(out_heads < NUM_Q_HEADS)[:, None])
+    gl.store(Lse + row * NUM_Q_HEADS + heads, global_lse, mask=head_ok)
+    if CERTIFICATE:
+        split_max = gl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
+        a1_parts = gl.load(PartA1 + part, mask=split_ok, other=0.0)
+        b_parts = gl.load(PartB + part, mask=split_ok, other=0.0)
+        u_rest_parts = gl.load(PartURest + part, mask=split_ok, other=0.0)
+        p_rest_parts = gl.load(PartPRest + part, mask=split_ok, other=0.0)
+        u_parts = gl.load(PartU + part, mask=split_ok, other=0.0)
+        live = split_ok & (lse > -FP32_INF)
+        held_logits = gl.where(live, split_max, -FP32_INF)
+        index = gl.zeros_like(part) + splits
+        max_logit, winner, u_max = gl.reduce((held_logits, index, gl.where(live, u_parts, 0.0)), 1, _first_max)
+        loser = live & (splits != winner[:, None])
+        lse_or_0 = gl.where(has_tokens, global_lse, 0.0)
+        p_arg = gl.where(live, gl.exp(split_max - lse_or_0[:, None]), 0.0)
+        p_max = gl.where(max_logit > -FP32_INF, gl.exp(max_logit - lse_or_0), 0.0)
+        expm1_parts, g_parts = expm1_and_g(u_parts)
+        a1, b, u_rest, p_rest = gl.reduce(
+            (
+                gl.where(live, mul_nonneg(norm, a1_parts), 0.0) + gl.where(loser, mul_nonneg(p_arg, expm1_parts), 0.0),
+                gl.where(live, mul_nonneg(norm, b_parts), 0.0) + gl.where(loser, mul_nonneg(p_arg, g_parts), 0.0),
+                gl.where(live, mul_nonneg(norm, u_rest_parts), 0.0) + gl.where(loser, mul_nonneg(p_arg, u_parts), 0.0),
+                gl.where(live, norm * p_rest_parts, 0.0) + gl.where(loser, p_arg, 0.0),
+            ),
+            1,
+            _sum4,
+        )
+        poison = gl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
+        e_m = gl.exp(u_max)
+        expm1_m, g_m = expm1_and_g(u_max)
+        t1 = a1 + mul_nonneg(p_max, expm1_m)
+        b_total = b + mul_nonneg(p_max, g_m)
+        t4 = mul_nonneg(e_m, a1) + mul_nonneg(expm1_m, p_rest)
+        pa_inner = mul_nonneg(e_m, b) + mul_nonneg(expm1_m, u_rest) + mul_nonneg(g_m, p_rest)
+        bound = gl.minimum(gl.minimum(t1, t4), gl.minimum(gl.sqrt(b_total / 2.0), gl.sqrt(pa_inner / 2.0)))
+        bound = gl.where(has_tokens, bound * eval_slack, 0.0) + poison
+        index = row * NUM_Q_HEADS + heads
+        field = gl.num_programs(0) * NUM_Q_HEADS
+        gl.store(Certificate + index, bound, mask=head_ok)
+        gl.store(Accumulators + index, a1 + poison, mask=head_ok)
+        gl.store(Accumulators + field + index, b + poison, mask=head_ok)
+        gl.store(Accumulators + 2 * field + index, u_rest + poison, mask=head_ok)
+        gl.store(Accumulators + 3 * field + index, p_rest + poison, mask=head_ok)
+        gl.store(Accumulators + 4 * field + index, p_max + poison, mask=head_ok)
+        gl.store(Accumulators + 5 * field + index, u_max + poison, mask=head_ok)
+
+
 def _variant(variant: str, certificate: bool, num_q_heads: int, head_dim: int, splits: int) -> tuple:
     """``(kernel, programs per row, constexprs, warps)`` of a variant's name."""
     shape = dict(NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
@@ -259,6 +347,9 @@ def _variant(variant: str, certificate: bool, num_q_heads: int, head_dim: int, s
     if variant.startswith("product"):
         warps = int(variant.split("_w")[1]) if "_w" in variant else 4
         return attention.kernels_module().decode_stage2, num_q_heads, shape, warps
+    if variant.startswith("gluon"):
+        heads = int(variant.removeprefix("gluon"))
+        return stage2_gluon, triton.cdiv(num_q_heads, heads), dict(shape, HEADS=heads), heads
     if variant.startswith("lean"):
         _, warps, order = variant.split("_")
         return stage2_lean, num_q_heads, dict(shape, EARLY=order == "early"), int(warps.removeprefix("w"))
@@ -287,6 +378,7 @@ def _static_counts(variants: list[str], splits: int) -> None:
     no loop), lane exchanges, CTA barriers and shared-memory stores, without and with the certificate."""
     from sass import _sm90_cubin, profile
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     pointers = dict.fromkeys(("PartOut", "PartLse", "PartMax", "PartA1", "PartB", "PartURest", "PartPRest", "PartU",
                               "Lse", "Certificate", "Accumulators"), "fp32") | {"Out": "fp16"}  # fmt: skip
@@ -296,7 +388,8 @@ def _static_counts(variants: list[str], splits: int) -> None:
         line = f"{variant:28s}"
         for certificate in (False, True):
             kernel, programs, constants, warps = _variant(variant, certificate, Q_HEADS, HEAD_DIM, splits)
-            cubin = _sm90_cubin(kernel, ASTSource, pointers, scalars, constants, {"num_warps": warps})
+            source = GluonASTSource if kernel is stage2_gluon else ASTSource
+            cubin = _sm90_cubin(kernel, source, pointers, scalars, constants, {"num_warps": warps})
             ops = profile(cubin).opcodes
             line += f"  {'cert' if certificate else 'none'} {sum(ops.values()):5d} ({ops['SHFL']}, {ops['BAR']}, "
             line += f"{ops['STS']}) x {warps} warps x {programs} programs a row"
@@ -394,7 +487,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     LAUNCH.gluon, LAUNCH.gluon_min_tokens = True, 0
-    variants = args.variants
+    variants = list(args.variants)
     rows = []
     for batch in args.batches:
         for certificate in (False, True):
@@ -403,10 +496,15 @@ def main() -> None:
             _launch("product", inputs, reference_out)
             torch.cuda.synchronize()
             checked = {}
-            for variant in variants:
+            for variant in list(variants):
                 outputs = _outputs(inputs)
-                _launch(variant, inputs, outputs)
-                torch.cuda.synchronize()
+                try:
+                    _launch(variant, inputs, outputs)
+                    torch.cuda.synchronize()
+                except Exception as error:  # a variant that fails to compile is reported, not timed
+                    print(f"B={batch} {variant}: {type(error).__name__}: {str(error)[-300:]}", flush=True)
+                    variants.remove(variant)
+                    continue
                 checked[variant] = _max_rel(_flat(outputs), _flat(reference_out))
             times: dict[str, list[float]] = {v: [] for v in variants}
             outputs = {v: _outputs(inputs) for v in variants}
