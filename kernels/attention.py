@@ -451,6 +451,7 @@ def _merge_splits(
         NUM_SPLITS=splits,
         SPLITS_PAD=max(2, _pow2(splits)),
         CERTIFICATE=certificate,
+        num_warps=LAUNCH.stage2_num_warps,
     )
 
 

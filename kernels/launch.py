@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass
 class LaunchConfig:
-    """Tile and launch parameters of the stage-1 kernels and the extend paths."""
+    """Tile and launch parameters of the decode stages and the extend paths."""
 
     # The Triton stage 1's tile: the fastest of the tiles, warps and stages swept on the H200 (head dim 128)...
     block_n: int = 128
@@ -63,6 +63,14 @@ class LaunchConfig:
     extend_sdpa_chunk_bytes: int = 2**28
     # ...and of one sequence, which is gathered whole (2 GiB: 2M keys); a longer one runs the tiled kernel.
     extend_sdpa_max_bytes: int = 2**31
+
+    # Stage 2 (the merge of the splits, the certificate's evaluation): warps a program, one program per row and
+    # query head. Its split vectors are copied in every warp, so fewer warps issue fewer instructions in all: timed
+    # alone on an H100 (bench/lab/stage2_variants.py, B = 8, 12 splits) 2 warps took 2.18 / 2.59 us without / with the
+    # certificate against 4's 2.40 / 2.94, but inside the decode call (after stage 1, profile_decode.py
+    # --kernel-times, another H100, not paired) 3.04 / 3.25 against 2.58 / 3.42 at 4: where the two disagree, 4
+    # stays until a paired run inside the call decides.
+    stage2_num_warps: int = 4
 
     def programs_per_sm(self) -> int:
         """Triton stage-1 programs an SM holds, which the default splits fill (default_num_kv_splits): 65536

@@ -952,6 +952,18 @@ def decode_stage1(
 
 
 @triton.jit
+def _first_max(logit_a, index_a, u_a, logit_b, index_b, u_b):
+    """The larger logit with its index and u, the lower index on ties (the first split's)."""
+    take_a = (logit_a > logit_b) | ((logit_a == logit_b) & (index_a < index_b))
+    return tl.where(take_a, logit_a, logit_b), tl.where(take_a, index_a, index_b), tl.where(take_a, u_a, u_b)
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
 def decode_stage2(
     PartOut,
     PartLse,
@@ -1012,24 +1024,30 @@ def decode_stage2(
         p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
         u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
         live = split_ok & (lse > -FP32_INF)
-        winner = tl.argmax(tl.where(live, split_max, -FP32_INF), axis=0, tie_break_left=True)
-        is_winner = splits == winner
+        # The held token: its logit, its split and its u in one reduction.
+        max_logit, winner, u_max = tl.reduce(
+            (tl.where(live, split_max, -FP32_INF), splits, tl.where(live, u_parts, 0.0)), 0, _first_max
+        )
+        loser = live & (splits != winner)
+        lse_or_0 = tl.where(has_tokens, global_lse, 0.0)
         # p~ of each split's held token: exp(held_s - LSE), 0 where the split holds none (held_s = -inf).
-        p_arg = tl.where(live, tl.exp(split_max - tl.where(has_tokens, global_lse, 0.0)), 0.0)
+        p_arg = tl.where(live, tl.exp(split_max - lse_or_0), 0.0)
+        p_max = tl.where(max_logit > -FP32_INF, tl.exp(max_logit - lse_or_0), 0.0)
         expm1_parts, g_parts = expm1_and_g(u_parts)
-        # norm_s = exp(lse_s - LSE) turns split s's within-split normalisation into the global one.
-        a1 = tl.sum(tl.where(live, mul_nonneg(norm, a1_parts), 0.0), axis=0)
-        a1 += tl.sum(tl.where(live & ~is_winner, mul_nonneg(p_arg, expm1_parts), 0.0), axis=0)
-        b = tl.sum(tl.where(live, mul_nonneg(norm, b_parts), 0.0), axis=0)
-        b += tl.sum(tl.where(live & ~is_winner, mul_nonneg(p_arg, g_parts), 0.0), axis=0)
-        u_rest = tl.sum(tl.where(live, mul_nonneg(norm, u_rest_parts), 0.0), axis=0)
-        u_rest += tl.sum(tl.where(live & ~is_winner, mul_nonneg(p_arg, u_parts), 0.0), axis=0)
-        p_rest = tl.sum(tl.where(live, norm * p_rest_parts, 0.0), axis=0)
-        p_rest += tl.sum(tl.where(live & ~is_winner, p_arg, 0.0), axis=0)
-        p_max = tl.sum(tl.where(is_winner & live, p_arg, 0.0), axis=0)
-        u_max = tl.sum(tl.where(is_winner & live, u_parts, 0.0), axis=0)
-        nan_in = (tl.sum(tl.where(split_ok & (lse != lse), 1, 0), axis=0) > 0) | (weight_sum != weight_sum)
-        poison = tl.where(nan_in, (FP32_INF - FP32_INF), 0.0)
+        # norm_s = exp(lse_s - LSE) turns split s's within-split normalisation into the global one; each sum takes
+        # the live splits' rest sums and the losing splits' held tokens together.
+        a1, b, u_rest, p_rest = tl.reduce(
+            (
+                tl.where(live, mul_nonneg(norm, a1_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, expm1_parts), 0.0),
+                tl.where(live, mul_nonneg(norm, b_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, g_parts), 0.0),
+                tl.where(live, mul_nonneg(norm, u_rest_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, u_parts), 0.0),
+                tl.where(live, norm * p_rest_parts, 0.0) + tl.where(loser, p_arg, 0.0),
+            ),
+            0,
+            _add4,
+        )
+        # A NaN split LSE (a poisoned split) has made the weights' sum NaN.
+        poison = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
 
         e_m = tl.exp(u_max)
         expm1_m, g_m = expm1_and_g(u_max)

@@ -7,11 +7,9 @@ timed on the device by PyTorch's profiler (CUPTI; the median over ``--calls`` la
 ``profile_decode.py --kernel-times``). Every variant's outputs (out, LSE, certificate, accumulators) are checked
 against the product's stage 2 on the same inputs before it is timed. GPU only.
 
-- ``product``: ``triton_kernels.decode_stage2`` as ``attention._merge_splits`` launches it (4 warps), and with 1
-  or 2 warps (``product_w1``, ``product_w2``): one program per row and query head.
-- ``lean_w{W}_{late|early}``: the product's shape with fewer reductions: the winning split, its logit and its u in
-  one, each rest sum with the losers' held tokens in one, the poison read from the weights' sum.
-- ``gluon{H}``: ``lean``'s algebra in Gluon, a warp per query head and ``H`` heads a program, each thread holding all
+- ``product``: ``triton_kernels.decode_stage2`` as ``attention._merge_splits`` launches it
+  (``LAUNCH.stage2_num_warps``), and with ``W`` warps (``product_w{W}``): one program per row and query head.
+- ``gluon{H}``: the product's algebra in Gluon, a warp per query head and ``H`` heads a program, each thread holding all
   of a head's splits: no lane exchange or barrier, every thread evaluating every split.
 - ``heads{H}_w{W}``: one program per row and block of ``H`` query heads, every value a ``[H, splits]`` tile; the
   certificate's eleven sums in one multi-operand reduction; its six partials loaded beside the LSEs
@@ -46,12 +44,11 @@ from run_info import gpu_run_info  # noqa: E402
 
 from witcert.kernels import KVPool, attention, decode_attention, reference  # noqa: E402
 from witcert.kernels.launch import LAUNCH  # noqa: E402
-from witcert.kernels.triton_kernels import FP32_INF, _add3, expm1_and_g, mul_nonneg  # noqa: E402
+from witcert.kernels.triton_kernels import FP32_INF, _add3, _add4, _first_max, expm1_and_g, mul_nonneg  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 VARIANTS = [
-    "product", "product_w1", "product_w2",
-    "lean_w1_late", "lean_w1_early", "lean_w2_late", "lean_w2_early", "lean_w4_late", "lean_w4_early",
+    "product", "product_w1", "product_w4",
     "heads4_w4_late", "heads4_w4_early", "heads4_w1_early", "heads7_w4_early", "heads1_w4_early_tail",
     "heads4_w4_early_tail", "heads4_w4_early_tail_eager", "heads4_w1_early_tail_eager", "gluon1", "gluon4",
 ]  # fmt: skip
@@ -161,108 +158,13 @@ def stage2_heads(
         tl.store(Accumulators + 5 * field + index, u_max + poison, mask=head_ok)
 
 
-@triton.jit
-def _first_max(logit_a, index_a, u_a, logit_b, index_b, u_b):
-    """The larger logit, the lower index on ties, with its u: argmax and the held token's u in one reduction."""
-    take_a = (logit_a > logit_b) | ((logit_a == logit_b) & (index_a < index_b))
-    return tl.where(take_a, logit_a, logit_b), tl.where(take_a, index_a, index_b), tl.where(take_a, u_a, u_b)
-
-
-@triton.jit
-def _sum4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def stage2_lean(
-    PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU, Out, Lse, Certificate, Accumulators,
-    stride_ob, stride_oh, eval_slack, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, CERTIFICATE: tl.constexpr, EARLY: tl.constexpr,
-):  # fmt: skip
-    """``decode_stage2`` with fewer reductions: the winner, its logit and its u in one (p_max from its logit), each
-    rest sum over the live splits and the losers' held tokens in one, and the poison from the weights' sum."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
-    part = (row * NUM_Q_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
-    if CERTIFICATE and EARLY:
-        split_max = tl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
-        a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
-        b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
-        u_rest_parts = tl.load(PartURest + part, mask=split_ok, other=0.0)
-        p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
-        u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
-    total = tl.max(lse, axis=0)
-    has_tokens = total > -FP32_INF
-    safe_total = tl.where(has_tokens, total, 0.0)
-    weight = tl.where(lse > -FP32_INF, tl.exp(lse - safe_total), 0.0)
-    weight = tl.where(lse != lse, (FP32_INF - FP32_INF), weight)
-    weight_sum = tl.sum(weight, axis=0)
-    global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
-    global_lse = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
-    norm = tl.where(has_tokens, weight / weight_sum, 0.0)
-    channels = tl.arange(0, HEAD_DIM)
-    parts = tl.load(PartOut + part[:, None] * HEAD_DIM + channels[None, :], mask=(norm > 0)[:, None], other=0.0)
-    out = tl.sum(tl.where((norm > 0)[:, None], norm[:, None] * parts, 0.0), axis=0)
-    out = out + tl.where(weight_sum == weight_sum, 0.0, (FP32_INF - FP32_INF))
-    tl.store(Out + row * stride_ob + head * stride_oh + channels, out.to(Out.dtype.element_ty))
-    tl.store(Lse + row * NUM_Q_HEADS + head, global_lse)
-    if CERTIFICATE:
-        if not EARLY:
-            split_max = tl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
-            a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
-            b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
-            u_rest_parts = tl.load(PartURest + part, mask=split_ok, other=0.0)
-            p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
-            u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
-        live = split_ok & (lse > -FP32_INF)
-        held_logits = tl.where(live, split_max, -FP32_INF)
-        max_logit, winner, u_max = tl.reduce((held_logits, splits, tl.where(live, u_parts, 0.0)), 0, _first_max)
-        loser = live & (splits != winner)
-        lse_or_0 = tl.where(has_tokens, global_lse, 0.0)
-        p_arg = tl.where(live, tl.exp(split_max - lse_or_0), 0.0)
-        # A live split holds a token unless its logit is -inf; the winner's p is exp(its logit - LSE).
-        p_max = tl.where(max_logit > -FP32_INF, tl.exp(max_logit - lse_or_0), 0.0)
-        expm1_parts, g_parts = expm1_and_g(u_parts)
-        a1, b, u_rest, p_rest = tl.reduce(
-            (
-                tl.where(live, mul_nonneg(norm, a1_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, expm1_parts), 0.0),
-                tl.where(live, mul_nonneg(norm, b_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, g_parts), 0.0),
-                tl.where(live, mul_nonneg(norm, u_rest_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, u_parts), 0.0),
-                tl.where(live, norm * p_rest_parts, 0.0) + tl.where(loser, p_arg, 0.0),
-            ),
-            0,
-            _sum4,
-        )
-        poison = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
-        e_m = tl.exp(u_max)
-        expm1_m, g_m = expm1_and_g(u_max)
-        t1 = a1 + mul_nonneg(p_max, expm1_m)
-        b_total = b + mul_nonneg(p_max, g_m)
-        t4 = mul_nonneg(e_m, a1) + mul_nonneg(expm1_m, p_rest)
-        pa_inner = mul_nonneg(e_m, b) + mul_nonneg(expm1_m, u_rest) + mul_nonneg(g_m, p_rest)
-        bound = tl.minimum(tl.minimum(t1, t4), tl.minimum(tl.sqrt(b_total / 2.0), tl.sqrt(pa_inner / 2.0)))
-        bound = tl.where(has_tokens, bound * eval_slack, 0.0) + poison
-        index = row * NUM_Q_HEADS + head
-        field = tl.num_programs(0) * NUM_Q_HEADS
-        tl.store(Certificate + index, bound)
-        tl.store(Accumulators + index, a1 + poison)
-        tl.store(Accumulators + field + index, b + poison)
-        tl.store(Accumulators + 2 * field + index, u_rest + poison)
-        tl.store(Accumulators + 3 * field + index, p_rest + poison)
-        tl.store(Accumulators + 4 * field + index, p_max + poison)
-        tl.store(Accumulators + 5 * field + index, u_max + poison)
-
-
 @gluon.jit
 def stage2_gluon(
     PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU, Out, Lse, Certificate, Accumulators,
     stride_ob, stride_oh, eval_slack, NUM_Q_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_SPLITS: gl.constexpr,
     SPLITS_PAD: gl.constexpr, CERTIFICATE: gl.constexpr, HEADS: gl.constexpr,
 ):  # fmt: skip
-    """``stage2_lean``'s algebra with a warp per query head and a head's splits in each thread: every reduction
+    """``decode_stage2``'s algebra with a warp per query head and a head's splits in each thread: every reduction
     over the splits is a thread's own (no lane exchange, no barrier); the lanes share the channels."""
     out_layout: gl.constexpr = gl.BlockedLayout([1, SPLITS_PAD, HEAD_DIM // 32], [1, 1, 32], [HEADS, 1, 1], [2, 1, 0])
     split_layout: gl.constexpr = gl.SliceLayout(2, out_layout)
@@ -318,7 +220,7 @@ def stage2_gluon(
                 gl.where(live, norm * p_rest_parts, 0.0) + gl.where(loser, p_arg, 0.0),
             ),
             1,
-            _sum4,
+            _add4,
         )
         poison = gl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
         e_m = gl.exp(u_max)
@@ -345,14 +247,11 @@ def _variant(variant: str, certificate: bool, num_q_heads: int, head_dim: int, s
     shape = dict(NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
                  SPLITS_PAD=max(2, triton.next_power_of_2(splits)), CERTIFICATE=certificate)  # fmt: skip
     if variant.startswith("product"):
-        warps = int(variant.split("_w")[1]) if "_w" in variant else 4
+        warps = int(variant.split("_w")[1]) if "_w" in variant else LAUNCH.stage2_num_warps
         return attention.kernels_module().decode_stage2, num_q_heads, shape, warps
     if variant.startswith("gluon"):
         heads = int(variant.removeprefix("gluon"))
         return stage2_gluon, triton.cdiv(num_q_heads, heads), dict(shape, HEADS=heads), heads
-    if variant.startswith("lean"):
-        _, warps, order = variant.split("_")
-        return stage2_lean, num_q_heads, dict(shape, EARLY=order == "early"), int(warps.removeprefix("w"))
     block, rest = variant.removeprefix("heads").split("_w")
     warps, order, *flags = rest.split("_")
     heads_block = int(block)
@@ -437,22 +336,24 @@ def _outputs(inputs: tuple) -> tuple:
     return out, lse, stats
 
 
-def _flat(outputs: tuple) -> list[torch.Tensor]:
+def _named(outputs: tuple) -> dict[str, torch.Tensor]:
     out, lse, stats = outputs
-    return [out.float(), lse] + ([] if stats is None else [stats.certificate, stats.accumulators])
+    named = {"out": out.float(), "lse": lse}
+    if stats is not None:
+        named |= {"certificate": stats.certificate, "accumulators": stats.accumulators}
+    return named
 
 
-def _max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        same_nan = torch.isnan(x) == torch.isnan(y)
-        if not bool(same_nan.all()):
-            return float("inf")
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per output, the largest relative difference between two stage 2s (inf where their NaNs or infinities differ).
+    ``out`` is fp16: one unit in the last place is 2**-10 relative, more below fp16's normal range."""
+    worst = {}
+    for name, x in a.items():
+        y = b[name]
         finite = torch.isfinite(x) & torch.isfinite(y)
-        if not bool((x[~finite] == y[~finite]).logical_or(torch.isnan(x[~finite])).all()):
-            return float("inf")
+        same = torch.equal(torch.isnan(x), torch.isnan(y)) and torch.equal(x[torch.isinf(x)], y[torch.isinf(x)])
         diff = (x[finite] - y[finite]).abs() / y[finite].abs().clamp_min(1e-30)
-        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        worst[name] = (float(diff.max()) if diff.numel() else 0.0) if same else float("inf")
     return worst
 
 
@@ -505,7 +406,7 @@ def main() -> None:
                     print(f"B={batch} {variant}: {type(error).__name__}: {str(error)[-300:]}", flush=True)
                     variants.remove(variant)
                     continue
-                checked[variant] = _max_rel(_flat(outputs), _flat(reference_out))
+                checked[variant] = _max_rel(_named(outputs), _named(reference_out))
             times: dict[str, list[float]] = {v: [] for v in variants}
             outputs = {v: _outputs(inputs) for v in variants}
             for _ in range(args.rounds):
@@ -517,8 +418,9 @@ def main() -> None:
                        "us": statistics.median(times[variant]), "rounds_us": times[variant],
                        "max_rel_diff": checked[variant]}  # fmt: skip
                 rows.append(row)
-                print(f"B={batch} cert={'on ' if certificate else 'off'} {variant:18s} {row['us']:7.2f} us  "
-                      f"rel diff {checked[variant]:.1e}", flush=True)  # fmt: skip
+                diffs = " ".join(f"{name} {diff:.1e}" for name, diff in checked[variant].items())
+                mode = "on " if certificate else "off"
+                print(f"B={batch} cert={mode} {variant:18s} {row['us']:7.2f} us  rel diff {diffs}", flush=True)
     args.output.write_text(json.dumps({"run": gpu_run_info(), "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.output}")
 
