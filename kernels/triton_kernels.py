@@ -964,6 +964,98 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
+def merge_weights(lse, AXIS: tl.constexpr):
+    """``(has_tokens, LSE, norm, weight_sum)`` of the splits' LSEs along ``AXIS``: whether any split read a token,
+    the row's LSE (-inf where none did), each split's share ``exp(lse_s - LSE)`` and the sum of the weights. A NaN
+    split LSE (a poisoned split) makes the sum, the LSE and every share NaN: it poisons the row."""
+    total = tl.max(lse, axis=AXIS)
+    has_tokens = total > -FP32_INF
+    safe_total = tl.where(has_tokens, total, 0.0)
+    weight = tl.where(lse > -FP32_INF, tl.exp(lse - tl.expand_dims(safe_total, AXIS)), 0.0)
+    weight = tl.where(lse != lse, (FP32_INF - FP32_INF), weight)
+    weight_sum = tl.sum(weight, axis=AXIS)
+    global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
+    global_lse = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
+    norm = tl.where(tl.expand_dims(has_tokens, AXIS), weight / tl.expand_dims(weight_sum, AXIS), 0.0)
+    return has_tokens, global_lse, norm, weight_sum
+
+
+@triton.jit
+def load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok):
+    """The splits' certificate partials at ``part`` (``store_certificate_partials``' six), in that order."""
+    return (
+        tl.load(PartMax + part, mask=split_ok, other=-FP32_INF),
+        tl.load(PartA1 + part, mask=split_ok, other=0.0),
+        tl.load(PartB + part, mask=split_ok, other=0.0),
+        tl.load(PartURest + part, mask=split_ok, other=0.0),
+        tl.load(PartPRest + part, mask=split_ok, other=0.0),
+        tl.load(PartU + part, mask=split_ok, other=0.0),
+    )
+
+
+@triton.jit
+def merge_split_certificates(partials, norm, live, splits, lse_or_0, AXIS: tl.constexpr):
+    """A row's accumulators ``(A1, B, U_rest, P_rest, p_max, u_max)`` from its splits' ``partials``
+    (``load_split_certificates``) along ``AXIS``.
+
+    The row's held token is the live splits' held token of largest logit, the first split's on ties (``splits``:
+    each split's index); the losing splits' held tokens join the rest sums with their exact terms, and a split that
+    holds none (logit -inf, u 0) adds its rest sums alone. ``norm``: each split's share ``exp(lse_s - LSE)``, which
+    turns its within-split normalisation into the row's; ``lse_or_0``: the row's LSE, 0 where it has no token."""
+    split_max, a1_parts, b_parts, u_rest_parts, p_rest_parts, u_parts = partials
+    # The held token's logit, split and u in one reduction.
+    max_logit, winner, u_max = tl.reduce(
+        (tl.where(live, split_max, -FP32_INF), splits, tl.where(live, u_parts, 0.0)), AXIS, _first_max
+    )
+    loser = live & (splits != tl.expand_dims(winner, AXIS))
+    # p~ of each split's held token: exp(held_s - LSE), 0 where the split holds none (held_s = -inf).
+    p_arg = tl.where(live, tl.exp(split_max - tl.expand_dims(lse_or_0, AXIS)), 0.0)
+    p_max = tl.where(max_logit > -FP32_INF, tl.exp(max_logit - lse_or_0), 0.0)
+    expm1_parts, g_parts = expm1_and_g(u_parts)
+    # Each sum takes the live splits' rest sums and the losing splits' held tokens together.
+    a1, b, u_rest, p_rest = tl.reduce(
+        (
+            tl.where(live, mul_nonneg(norm, a1_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, expm1_parts), 0.0),
+            tl.where(live, mul_nonneg(norm, b_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, g_parts), 0.0),
+            tl.where(live, mul_nonneg(norm, u_rest_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, u_parts), 0.0),
+            tl.where(live, norm * p_rest_parts, 0.0) + tl.where(loser, p_arg, 0.0),
+        ),
+        AXIS,
+        _add4,
+    )
+    return a1, b, u_rest, p_rest, p_max, u_max
+
+
+@triton.jit
+def certificate_bound(a1, b, u_rest, p_rest, p_max, u_max):
+    """``min(T1, T4, P, PA)`` of the accumulators, before the evaluation slack
+    (``reference.certificate_from_accumulators``)."""
+    e_m = tl.exp(u_max)
+    expm1_m, g_m = expm1_and_g(u_max)
+    t1 = a1 + mul_nonneg(p_max, expm1_m)
+    b_total = b + mul_nonneg(p_max, g_m)
+    t4 = mul_nonneg(e_m, a1) + mul_nonneg(expm1_m, p_rest)
+    pa_inner = mul_nonneg(e_m, b) + mul_nonneg(expm1_m, u_rest) + mul_nonneg(g_m, p_rest)
+    return tl.minimum(tl.minimum(t1, t4), tl.minimum(tl.sqrt(b_total / 2.0), tl.sqrt(pa_inner / 2.0)))
+
+
+@triton.jit
+def store_merged_certificate(
+    Certificate, Accumulators, index, field, mask, partials, live, splits, merged, eval_slack, AXIS: tl.constexpr
+):  # fmt: skip
+    """Evaluate a row's certificate from its splits' ``partials`` along ``AXIS`` and store it at ``index`` with the
+    six accumulators, one ``field`` (rows x heads) apart. ``merged``: ``merge_weights``' result; where its sum of
+    weights is NaN (a poisoned split) every value stored is NaN."""
+    has_tokens, global_lse, norm, weight_sum = merged
+    accumulators = merge_split_certificates(partials, norm, live, splits, tl.where(has_tokens, global_lse, 0.0), AXIS)
+    poison = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
+    bound = tl.where(has_tokens, certificate_bound(*accumulators) * eval_slack, 0.0)
+    tl.store(Certificate + index, bound + poison, mask=mask)
+    for position in tl.static_range(6):
+        tl.store(Accumulators + position * field + index, accumulators[position] + poison, mask=mask)
+
+
+@triton.jit
 def decode_stage2(
     PartOut,
     PartLse,
@@ -988,10 +1080,8 @@ def decode_stage2(
 ):
     """Merge the splits with LSE weights; evaluate the certificate like ``reference.certificate_from_accumulators``.
 
-    Each split holds one token apart (``PartMax`` its logit, ``PartU`` its radius) or none (-inf and 0). The token
-    held for the row is the one of largest logit, the first split's on ties: in sequence order, the first argmax
-    among all the row's singletons, as in ``reference.accumulate_certificate``. The other splits' held tokens join
-    the rest sums with their exact terms; a split that holds none adds its rest sums alone.
+    The token held for the row is the first argmax among all the row's singletons, as in
+    ``reference.accumulate_certificate`` (``merge_split_certificates``).
 
     ``Accumulators`` is ``[6, rows, NUM_Q_HEADS]``: ``CertificateAccumulators``' fields in order, one block (the grid's
     rows are its rows), so that the host passes one tensor, not six views."""
@@ -1001,15 +1091,8 @@ def decode_stage2(
     split_ok = splits < NUM_SPLITS
     part = (row * NUM_Q_HEADS + head) * NUM_SPLITS + splits
     lse = tl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
-    total = tl.max(lse, axis=0)
-    has_tokens = total > -FP32_INF
-    safe_total = tl.where(has_tokens, total, 0.0)
-    weight = tl.where(lse > -FP32_INF, tl.exp(lse - safe_total), 0.0)
-    weight = tl.where(lse != lse, (FP32_INF - FP32_INF), weight)  # a poisoned split poisons the row
-    weight_sum = tl.sum(weight, axis=0)
-    global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
-    global_lse = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
-    norm = tl.where(has_tokens, weight / weight_sum, 0.0)
+    merged = merge_weights(lse, 0)
+    _, global_lse, norm, weight_sum = merged
     channels = tl.arange(0, HEAD_DIM)
     parts = tl.load(PartOut + part[:, None] * HEAD_DIM + channels[None, :], mask=(norm > 0)[:, None], other=0.0)
     out = tl.sum(tl.where((norm > 0)[:, None], norm[:, None] * parts, 0.0), axis=0)
@@ -1017,52 +1100,8 @@ def decode_stage2(
     tl.store(Out + row * stride_ob + head * stride_oh + channels, out.to(Out.dtype.element_ty))
     tl.store(Lse + row * NUM_Q_HEADS + head, global_lse)
     if CERTIFICATE:
-        split_max = tl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
-        a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
-        b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
-        u_rest_parts = tl.load(PartURest + part, mask=split_ok, other=0.0)
-        p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
-        u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
-        live = split_ok & (lse > -FP32_INF)
-        # The held token: its logit, its split and its u in one reduction.
-        max_logit, winner, u_max = tl.reduce(
-            (tl.where(live, split_max, -FP32_INF), splits, tl.where(live, u_parts, 0.0)), 0, _first_max
-        )
-        loser = live & (splits != winner)
-        lse_or_0 = tl.where(has_tokens, global_lse, 0.0)
-        # p~ of each split's held token: exp(held_s - LSE), 0 where the split holds none (held_s = -inf).
-        p_arg = tl.where(live, tl.exp(split_max - lse_or_0), 0.0)
-        p_max = tl.where(max_logit > -FP32_INF, tl.exp(max_logit - lse_or_0), 0.0)
-        expm1_parts, g_parts = expm1_and_g(u_parts)
-        # norm_s = exp(lse_s - LSE) turns split s's within-split normalisation into the global one; each sum takes
-        # the live splits' rest sums and the losing splits' held tokens together.
-        a1, b, u_rest, p_rest = tl.reduce(
-            (
-                tl.where(live, mul_nonneg(norm, a1_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, expm1_parts), 0.0),
-                tl.where(live, mul_nonneg(norm, b_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, g_parts), 0.0),
-                tl.where(live, mul_nonneg(norm, u_rest_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, u_parts), 0.0),
-                tl.where(live, norm * p_rest_parts, 0.0) + tl.where(loser, p_arg, 0.0),
-            ),
-            0,
-            _add4,
-        )
-        # A NaN split LSE (a poisoned split) has made the weights' sum NaN.
-        poison = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
-
-        e_m = tl.exp(u_max)
-        expm1_m, g_m = expm1_and_g(u_max)
-        t1 = a1 + mul_nonneg(p_max, expm1_m)
-        b_total = b + mul_nonneg(p_max, g_m)
-        t4 = mul_nonneg(e_m, a1) + mul_nonneg(expm1_m, p_rest)
-        pa_inner = mul_nonneg(e_m, b) + mul_nonneg(expm1_m, u_rest) + mul_nonneg(g_m, p_rest)
-        bound = tl.minimum(tl.minimum(t1, t4), tl.minimum(tl.sqrt(b_total / 2.0), tl.sqrt(pa_inner / 2.0)))
-        bound = tl.where(has_tokens, bound * eval_slack, 0.0) + poison
-        index = row * NUM_Q_HEADS + head
-        field = tl.num_programs(0) * NUM_Q_HEADS  # one field of the accumulators: rows x heads
-        tl.store(Certificate + index, bound)
-        tl.store(Accumulators + index, a1 + poison)
-        tl.store(Accumulators + field + index, b + poison)
-        tl.store(Accumulators + 2 * field + index, u_rest + poison)
-        tl.store(Accumulators + 3 * field + index, p_rest + poison)
-        tl.store(Accumulators + 4 * field + index, p_max + poison)
-        tl.store(Accumulators + 5 * field + index, u_max + poison)
+        partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
+        store_merged_certificate(
+            Certificate, Accumulators, row * NUM_Q_HEADS + head, tl.num_programs(0) * NUM_Q_HEADS, head < NUM_Q_HEADS,
+            partials, split_ok & (lse > -FP32_INF), splits, merged, eval_slack, 0,
+        )  # fmt: skip

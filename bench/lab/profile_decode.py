@@ -88,8 +88,8 @@ def main() -> None:
     print(f"stage 1: {result.path}; certificate finite: {finite}")
 
 
-def _print_kernel_times(call: Callable[[], object], calls: int, certificate: bool) -> None:
-    """Each kernel's median device time over ``calls`` calls (after two that compile and warm up)."""
+def kernel_times(call: Callable[[], object], calls: int) -> dict[str, list[float]]:
+    """Each kernel's device times (us, CUPTI) over ``calls`` calls, after two that compile and warm up."""
     for _ in range(2):
         call()
     torch.cuda.synchronize()
@@ -101,6 +101,12 @@ def _print_kernel_times(call: Callable[[], object], calls: int, certificate: boo
     for event in profiler.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    return times
+
+
+def _print_kernel_times(call: Callable[[], object], calls: int, certificate: bool) -> None:
+    """Each kernel's median device time over ``calls`` calls."""
+    times = kernel_times(call, calls)
     total = 0.0
     for name, us in sorted(times.items(), key=lambda item: -statistics.median(item[1])):
         total += statistics.median(us) * len(us) / calls

@@ -11,11 +11,10 @@ against the product's stage 2 on the same inputs before it is timed. GPU only.
   (``LAUNCH.stage2_num_warps``), and with ``W`` warps (``product_w{W}``): one program per row and query head.
 - ``gluon{H}``: the product's algebra in Gluon, a warp per query head and ``H`` heads a program, each thread holding all
   of a head's splits: no lane exchange or barrier, every thread evaluating every split.
-- ``heads{H}_w{W}``: one program per row and block of ``H`` query heads, every value a ``[H, splits]`` tile; the
-  certificate's eleven sums in one multi-operand reduction; its six partials loaded beside the LSEs
-  (``_early``) or after the output's loads (``_late``); ``_tail``: the held token's ``exp``, ``expm1`` and ``g``
-  picked from every split's (computed beside the sums) instead of computed after them; ``_eager``: the splits'
-  outputs loaded without waiting for the LSEs (every split's, the unused ones weighted 0).
+- ``heads{H}_w{W}``: the product's algebra with one program per row and block of ``H`` query heads, every value a
+  ``[H, splits]`` tile; the certificate's six partials loaded beside the LSEs (``_early``) or after the output's
+  loads (``_late``); ``_eager``: the splits' outputs loaded without waiting for the LSEs (every split's, the unused
+  ones weighted 0).
 
     python bench/lab/stage2_variants.py --batches 8 32 --context 16384 --output bench/results/stage2_variants.json
 
@@ -39,24 +38,25 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 _ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(_ROOT / "bench"), str(_ROOT / "tests")]
+sys.path[:0] = [str(_ROOT / "bench" / "lab"), str(_ROOT / "bench"), str(_ROOT / "tests")]
+from profile_decode import kernel_times  # noqa: E402
 from run_info import gpu_run_info  # noqa: E402
 
 from witcert.kernels import KVPool, attention, decode_attention, reference  # noqa: E402
 from witcert.kernels.launch import LAUNCH  # noqa: E402
-from witcert.kernels.triton_kernels import FP32_INF, _add3, _add4, _first_max, expm1_and_g, mul_nonneg  # noqa: E402
+from witcert.kernels.triton_kernels import (  # noqa: E402
+    FP32_INF,
+    load_split_certificates,
+    merge_weights,
+    store_merged_certificate,
+)
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 VARIANTS = [
     "product", "product_w1", "product_w4",
-    "heads4_w4_late", "heads4_w4_early", "heads4_w1_early", "heads7_w4_early", "heads1_w4_early_tail",
-    "heads4_w4_early_tail", "heads4_w4_early_tail_eager", "heads4_w1_early_tail_eager", "gluon1", "gluon4",
+    "heads4_w4_late", "heads4_w4_early", "heads4_w1_early", "heads7_w4_early", "heads4_w4_early_eager",
+    "heads4_w1_early_eager", "gluon1", "gluon4",
 ]  # fmt: skip
-
-
-@triton.jit
-def _sum7(a0, a1, a2, a3, a4, a5, a6, b0, b1, b2, b3, b4, b5, b6):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def stage2_heads(
     PartOut, PartLse, PartMax, PartA1, PartB, PartURest, PartPRest, PartU, Out, Lse, Certificate, Accumulators,
     stride_ob, stride_oh, eval_slack, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr, HEADS_BLOCK: tl.constexpr, HEADS_PAD: tl.constexpr, CERTIFICATE: tl.constexpr,
-    EARLY: tl.constexpr, TAIL: tl.constexpr, EAGER_OUT: tl.constexpr,
+    EARLY: tl.constexpr, EAGER_OUT: tl.constexpr,
 ):  # fmt: skip
     """``decode_stage2``'s algebra on a ``[heads, splits]`` tile per program."""
     row = tl.program_id(0)
@@ -76,21 +76,9 @@ def stage2_heads(
     part = ((row * NUM_Q_HEADS + heads) * NUM_SPLITS)[:, None] + splits[None, :]
     lse = tl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
     if CERTIFICATE and EARLY:
-        split_max = tl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
-        a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
-        b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
-        u_rest_parts = tl.load(PartURest + part, mask=split_ok, other=0.0)
-        p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
-        u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
-    total = tl.max(lse, axis=1)
-    has_tokens = total > -FP32_INF
-    safe_total = tl.where(has_tokens, total, 0.0)
-    weight = tl.where(lse > -FP32_INF, tl.exp(lse - safe_total[:, None]), 0.0)
-    weight = tl.where(lse != lse, (FP32_INF - FP32_INF), weight)
-    weight_sum = tl.sum(weight, axis=1)
-    global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
-    global_lse = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
-    norm = tl.where(has_tokens[:, None], weight / weight_sum[:, None], 0.0)
+        partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
+    merged = merge_weights(lse, 1)
+    _, global_lse, norm, weight_sum = merged
     channels = tl.arange(0, HEAD_DIM)
     used = (norm > 0)[:, :, None]
     out_mask = split_ok[:, :, None] if EAGER_OUT else used
@@ -102,60 +90,11 @@ def stage2_heads(
     tl.store(Lse + row * NUM_Q_HEADS + heads, global_lse, mask=head_ok)
     if CERTIFICATE:
         if not EARLY:
-            split_max = tl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
-            a1_parts = tl.load(PartA1 + part, mask=split_ok, other=0.0)
-            b_parts = tl.load(PartB + part, mask=split_ok, other=0.0)
-            u_rest_parts = tl.load(PartURest + part, mask=split_ok, other=0.0)
-            p_rest_parts = tl.load(PartPRest + part, mask=split_ok, other=0.0)
-            u_parts = tl.load(PartU + part, mask=split_ok, other=0.0)
-        live = split_ok & (lse > -FP32_INF)
-        winner = tl.argmax(tl.where(live, split_max, -FP32_INF), axis=1, tie_break_left=True)
-        is_winner = splits[None, :] == winner[:, None]
-        loser = live & ~is_winner
-        held = is_winner & live
-        p_arg = tl.where(live, tl.exp(split_max - tl.where(has_tokens, global_lse, 0.0)[:, None]), 0.0)
-        expm1_parts, g_parts = expm1_and_g(u_parts)
-        if TAIL:
-            # The held token's exp, expm1 and g picked from the splits' own, off the chain after the sums.
-            e_m, expm1_m, g_m = tl.reduce(
-                (tl.where(held, tl.exp(u_parts), 0.0), tl.where(held, expm1_parts, 0.0), tl.where(held, g_parts, 0.0)),
-                1,
-                _add3,
-            )
-            e_m = tl.where(tl.sum(held.to(tl.int32), axis=1) > 0, e_m, 1.0)
-        a1, b, u_rest, p_rest, p_max, u_max, nan_count = tl.reduce(
-            (
-                tl.where(live, mul_nonneg(norm, a1_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, expm1_parts), 0.0),
-                tl.where(live, mul_nonneg(norm, b_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, g_parts), 0.0),
-                tl.where(live, mul_nonneg(norm, u_rest_parts), 0.0) + tl.where(loser, mul_nonneg(p_arg, u_parts), 0.0),
-                tl.where(live, norm * p_rest_parts, 0.0) + tl.where(loser, p_arg, 0.0),
-                tl.where(held, p_arg, 0.0),
-                tl.where(held, u_parts, 0.0),
-                tl.where(split_ok & (lse != lse), 1.0, 0.0),
-            ),
-            1,
-            _sum7,
-        )
-        nan_in = (nan_count > 0) | (weight_sum != weight_sum)
-        poison = tl.where(nan_in, (FP32_INF - FP32_INF), 0.0)
-        if not TAIL:
-            e_m = tl.exp(u_max)
-            expm1_m, g_m = expm1_and_g(u_max)
-        t1 = a1 + mul_nonneg(p_max, expm1_m)
-        b_total = b + mul_nonneg(p_max, g_m)
-        t4 = mul_nonneg(e_m, a1) + mul_nonneg(expm1_m, p_rest)
-        pa_inner = mul_nonneg(e_m, b) + mul_nonneg(expm1_m, u_rest) + mul_nonneg(g_m, p_rest)
-        bound = tl.minimum(tl.minimum(t1, t4), tl.minimum(tl.sqrt(b_total / 2.0), tl.sqrt(pa_inner / 2.0)))
-        bound = tl.where(has_tokens, bound * eval_slack, 0.0) + poison
-        index = row * NUM_Q_HEADS + heads
-        field = tl.num_programs(0) * NUM_Q_HEADS
-        tl.store(Certificate + index, bound, mask=head_ok)
-        tl.store(Accumulators + index, a1 + poison, mask=head_ok)
-        tl.store(Accumulators + field + index, b + poison, mask=head_ok)
-        tl.store(Accumulators + 2 * field + index, u_rest + poison, mask=head_ok)
-        tl.store(Accumulators + 3 * field + index, p_rest + poison, mask=head_ok)
-        tl.store(Accumulators + 4 * field + index, p_max + poison, mask=head_ok)
-        tl.store(Accumulators + 5 * field + index, u_max + poison, mask=head_ok)
+            partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
+        store_merged_certificate(
+            Certificate, Accumulators, row * NUM_Q_HEADS + heads, tl.num_programs(0) * NUM_Q_HEADS, head_ok, partials,
+            split_ok & (lse > -FP32_INF), tl.zeros_like(part) + splits[None, :], merged, eval_slack, 1,
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -177,15 +116,8 @@ def stage2_gluon(
     split_ok = head_ok[:, None] & (splits < NUM_SPLITS)
     part = ((row * NUM_Q_HEADS + heads) * NUM_SPLITS)[:, None] + splits
     lse = gl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
-    total = gl.max(lse, axis=1)
-    has_tokens = total > -FP32_INF
-    safe_total = gl.where(has_tokens, total, 0.0)
-    weight = gl.where(lse > -FP32_INF, gl.exp(lse - safe_total[:, None]), 0.0)
-    weight = gl.where(lse != lse, (FP32_INF - FP32_INF), weight)
-    weight_sum = gl.sum(weight, axis=1)
-    global_lse = gl.where(has_tokens, safe_total + gl.log(gl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
-    global_lse = gl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
-    norm = gl.where(has_tokens[:, None], weight / weight_sum[:, None], 0.0)
+    merged = merge_weights(lse, 1)
+    _, global_lse, norm, weight_sum = merged
     channels = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, channel_layout))
     used = (norm > 0)[:, :, None]
     parts = gl.load(PartOut + part[:, :, None] * HEAD_DIM + channels[None, None, :], mask=used, other=0.0)
@@ -197,49 +129,11 @@ def stage2_gluon(
     gl.store(out_ptr, out.to(Out.dtype.element_ty), mask=(out_heads < NUM_Q_HEADS)[:, None])
     gl.store(Lse + row * NUM_Q_HEADS + heads, global_lse, mask=head_ok)
     if CERTIFICATE:
-        split_max = gl.load(PartMax + part, mask=split_ok, other=-FP32_INF)
-        a1_parts = gl.load(PartA1 + part, mask=split_ok, other=0.0)
-        b_parts = gl.load(PartB + part, mask=split_ok, other=0.0)
-        u_rest_parts = gl.load(PartURest + part, mask=split_ok, other=0.0)
-        p_rest_parts = gl.load(PartPRest + part, mask=split_ok, other=0.0)
-        u_parts = gl.load(PartU + part, mask=split_ok, other=0.0)
-        live = split_ok & (lse > -FP32_INF)
-        held_logits = gl.where(live, split_max, -FP32_INF)
-        index = gl.zeros_like(part) + splits
-        max_logit, winner, u_max = gl.reduce((held_logits, index, gl.where(live, u_parts, 0.0)), 1, _first_max)
-        loser = live & (splits != winner[:, None])
-        lse_or_0 = gl.where(has_tokens, global_lse, 0.0)
-        p_arg = gl.where(live, gl.exp(split_max - lse_or_0[:, None]), 0.0)
-        p_max = gl.where(max_logit > -FP32_INF, gl.exp(max_logit - lse_or_0), 0.0)
-        expm1_parts, g_parts = expm1_and_g(u_parts)
-        a1, b, u_rest, p_rest = gl.reduce(
-            (
-                gl.where(live, mul_nonneg(norm, a1_parts), 0.0) + gl.where(loser, mul_nonneg(p_arg, expm1_parts), 0.0),
-                gl.where(live, mul_nonneg(norm, b_parts), 0.0) + gl.where(loser, mul_nonneg(p_arg, g_parts), 0.0),
-                gl.where(live, mul_nonneg(norm, u_rest_parts), 0.0) + gl.where(loser, mul_nonneg(p_arg, u_parts), 0.0),
-                gl.where(live, norm * p_rest_parts, 0.0) + gl.where(loser, p_arg, 0.0),
-            ),
-            1,
-            _add4,
-        )
-        poison = gl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
-        e_m = gl.exp(u_max)
-        expm1_m, g_m = expm1_and_g(u_max)
-        t1 = a1 + mul_nonneg(p_max, expm1_m)
-        b_total = b + mul_nonneg(p_max, g_m)
-        t4 = mul_nonneg(e_m, a1) + mul_nonneg(expm1_m, p_rest)
-        pa_inner = mul_nonneg(e_m, b) + mul_nonneg(expm1_m, u_rest) + mul_nonneg(g_m, p_rest)
-        bound = gl.minimum(gl.minimum(t1, t4), gl.minimum(gl.sqrt(b_total / 2.0), gl.sqrt(pa_inner / 2.0)))
-        bound = gl.where(has_tokens, bound * eval_slack, 0.0) + poison
-        index = row * NUM_Q_HEADS + heads
-        field = gl.num_programs(0) * NUM_Q_HEADS
-        gl.store(Certificate + index, bound, mask=head_ok)
-        gl.store(Accumulators + index, a1 + poison, mask=head_ok)
-        gl.store(Accumulators + field + index, b + poison, mask=head_ok)
-        gl.store(Accumulators + 2 * field + index, u_rest + poison, mask=head_ok)
-        gl.store(Accumulators + 3 * field + index, p_rest + poison, mask=head_ok)
-        gl.store(Accumulators + 4 * field + index, p_max + poison, mask=head_ok)
-        gl.store(Accumulators + 5 * field + index, u_max + poison, mask=head_ok)
+        partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
+        store_merged_certificate(
+            Certificate, Accumulators, row * NUM_Q_HEADS + heads, gl.num_programs(0) * NUM_Q_HEADS, head_ok, partials,
+            split_ok & (lse > -FP32_INF), gl.zeros_like(part) + splits, merged, eval_slack, 1,
+        )  # fmt: skip
 
 
 def _variant(variant: str, certificate: bool, num_q_heads: int, head_dim: int, splits: int) -> tuple:
@@ -256,7 +150,7 @@ def _variant(variant: str, certificate: bool, num_q_heads: int, head_dim: int, s
     warps, order, *flags = rest.split("_")
     heads_block = int(block)
     constants = dict(shape, HEADS_BLOCK=heads_block, HEADS_PAD=triton.next_power_of_2(heads_block),
-                     EARLY=order == "early", TAIL="tail" in flags, EAGER_OUT="eager" in flags)  # fmt: skip
+                     EARLY=order == "early", EAGER_OUT="eager" in flags)  # fmt: skip
     return stage2_heads, triton.cdiv(num_q_heads, heads_block), constants, int(warps)
 
 
@@ -357,18 +251,6 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
     return worst
 
 
-def _device_us(call, calls: int) -> float:  # noqa: ANN001
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    times = [e.time_range.elapsed_us() for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
@@ -412,7 +294,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for variant in variants:
                     call = functools.partial(_launch, variant, inputs, outputs[variant])
-                    times[variant].append(_device_us(call, args.calls))
+                    (stage2_us,) = kernel_times(call, args.calls).values()  # the variant's one kernel
+                    times[variant].append(statistics.median(stage2_us))
             for variant in variants:
                 row = {"batch": batch, "context": args.context, "certificate": certificate, "variant": variant,
                        "us": statistics.median(times[variant]), "rounds_us": times[variant],
