@@ -967,7 +967,7 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 def merge_weights(lse, AXIS: tl.constexpr):
     """``(has_tokens, LSE, norm, weight_sum)`` of the splits' LSEs along ``AXIS``: whether any split read a token,
     the row's LSE (-inf where none did), each split's share ``exp(lse_s - LSE)`` and the sum of the weights. A NaN
-    split LSE (a poisoned split) makes the sum, the LSE and every share NaN: it poisons the row."""
+    split LSE (a poisoned split) makes the sum and the LSE NaN, and the callers poison the row from the sum."""
     total = tl.max(lse, axis=AXIS)
     has_tokens = total > -FP32_INF
     safe_total = tl.where(has_tokens, total, 0.0)
