@@ -9,7 +9,8 @@ Nsight Compute's warp-state sampling says where a kernel's warps wait, per SASS 
 
 ``--kernel-times`` instead times each kernel of a call on the device (PyTorch's profiler, CUPTI), with and
 without the certificate, and prints one line per kernel: where the certificate's cost lies between stage 1
-and stage 2 (their sum is a little below ``bench_kernels.py``'s graph replays, which include the gaps).
+and stage 2 (their sum is a little below ``bench_kernels.py``'s graph replays, which include the gaps); with
+``--stage2-warps 2 4`` at each of those stage-2 warp counts in turn, twice, paired in one process.
 
 The shape is Qwen2.5-7B's (28 query heads, 4 KV heads, head_dim 128), one layer, K dithered and V
 rounded to nearest, as in the benchmark. ``--stage1-file FILE`` profiles another version of
@@ -52,9 +53,14 @@ def main() -> None:
     parser.add_argument("--stage1-file", type=Path, metavar="FILE", help="another version of kernels/gluon_decode.py")
     parser.add_argument("--kernel-times", action="store_true",
                         help="print each kernel's median device time, with and without the certificate")  # fmt: skip
+    parser.add_argument("--stage2-warps", type=int, nargs="+", metavar="W",
+                        help="with --kernel-times: time the call at each of these LAUNCH.stage2_num_warps in turn, "
+                        "twice, in one process (default: LAUNCH's)")  # fmt: skip
     args = parser.parse_args()
     if args.resident_slots is not None and args.resident_slots < 1:
         parser.error(f"--resident-slots must be at least 1, not {args.resident_slots}")
+    if any(w not in (1, 2, 4, 8, 16) for w in args.stage2_warps or []):
+        parser.error(f"--stage2-warps takes powers of two from 1 to 16, not {args.stage2_warps}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     if args.stage1_file:
@@ -76,10 +82,15 @@ def main() -> None:
     if args.maxnreg is not None:
         LAUNCH.gluon_maxnreg = LAUNCH.gluon_maxnreg_nocert = args.maxnreg or None
     if args.kernel_times:
-        for certificate in (False, True):
-            call = functools.partial(decode_attention, q, pool, 0, indptr, indices, delta_step=0.05,
-                                     certificate=certificate)  # fmt: skip
-            _print_kernel_times(call, args.calls, certificate)
+        warps = args.stage2_warps or [LAUNCH.stage2_num_warps]
+        for stage2_warps in warps * (2 if args.stage2_warps else 1):
+            LAUNCH.stage2_num_warps = stage2_warps
+            if args.stage2_warps:
+                print(f"stage 2 at {stage2_warps} warps")
+            for certificate in (False, True):
+                call = functools.partial(decode_attention, q, pool, 0, indptr, indices, delta_step=0.05,
+                                         certificate=certificate)  # fmt: skip
+                _print_kernel_times(call, args.calls, certificate)
         return
     for _ in range(args.calls):
         result = decode_attention(q, pool, 0, indptr, indices, delta_step=0.05, certificate=args.certificate == "on")
