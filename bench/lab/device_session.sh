@@ -36,6 +36,9 @@
 #                                                    # the reads in the L2 (about 6 minutes)
 #   bash bench/lab/device_session.sh stalls          # ncu's per-instruction stall samples of the kernel without and with
 #                                                    # the certificate, reads in the L2 (B = 32, S = 16k; about 3 minutes)
+#   bash bench/lab/device_session.sh stage2          # stage 2's warps paired inside the decode call (B = 8 and 32, S = 16k),
+#                                                    # then its variants timed alone (bench/lab/stage2_variants.py; about
+#                                                    # 2 minutes)
 #   bash bench/lab/device_session.sh full            # every size of bench_kernels.py, V rounded to nearest
 #
 # Every stage installs the package first (a fresh machine has only the checkout) and stops at the first error.
@@ -47,7 +50,7 @@ mkdir -p "$out"
 sizes=(--batches 32 8 --contexts 16384 65536)
 whatif_sizes=(--batches 32 --contexts 16384 65536)
 
-stages="auto validate table vdither memory shuffled whatifs resident whatif_tests against caps occupancy profile stalls full"
+stages="auto validate table vdither memory shuffled whatifs resident whatif_tests against caps occupancy profile stalls stage2 full"
 if [[ " $stages " != *" $stage "* ]]; then
     echo "usage: bash bench/lab/device_session.sh {${stages// /|}}" >&2
     exit 2
@@ -231,6 +234,13 @@ occupancy)
     ;;
 stalls)
     stalls
+    ;;
+stage2)
+    for batch in 8 32; do
+        python3 bench/lab/profile_decode.py --batch "$batch" --context 16384 --kernel-times --stage2-warps 1 2 4 \
+            | tee "$out/stage2_warps_b$batch.txt"
+    done
+    python3 bench/lab/stage2_variants.py --batches 8 32 --context 16384 --output "$out/stage2_variants.json"
     ;;
 full)
     python3 bench/bench_kernels.py --v-dither off --output "$out/kernels_full.json"
