@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from witcert.integrations.models import SMOLLM2, model_names
 from witcert.integrations.transformers_cache import layer_windows
 from witcert.kernels import reference
 from witcert.kernels.outliers import (
@@ -292,9 +293,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "transformers cache (CachePolicy.outlier_file) and the SGLang plugin (WITCERT_OUTLIER_FILE) load."
         ),
     )
-    parser.add_argument(
-        "--model", default="SmolLM2-135M-Instruct", help="trained model: %(default)s (the default) or gemma-3-270m"
-    )
+    parser.add_argument("--model", default=SMOLLM2.name, help=f"trained model: {model_names()} (default %(default)s)")
     parser.add_argument("--pairs", "-m", type=int, default=4, help="RoPE pairs per (layer, KV head) (default 4)")
     parser.add_argument(
         "--text", type=Path, action="append", help="calibration text file (repeatable; default: Apache-2.0 licence "

@@ -278,9 +278,13 @@ def load_trained(
     return model, tokenizer
 
 
+def model_names() -> str:
+    """The known trained models' names, for help texts and errors."""
+    return ", ".join(spec.name for spec in MODELS.values())
+
+
 def model_spec(name: str) -> TrainedModel:
     try:
         return MODELS[name.lower()]
     except KeyError:
-        known = ", ".join(spec.name for spec in MODELS.values())
-        raise ValueError(f"unknown model {name!r}: the trained models witcert knows are {known}") from None
+        raise ValueError(f"unknown model {name!r}: the trained models witcert knows are {model_names()}") from None

@@ -965,9 +965,10 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 @triton.jit
 def merge_weights(lse, AXIS: tl.constexpr):
-    """``(has_tokens, LSE, norm, weight_sum)`` of the splits' LSEs along ``AXIS``: whether any split read a token,
-    the row's LSE (-inf where none did), each split's share ``exp(lse_s - LSE)`` and the sum of the weights. A NaN
-    split LSE (a poisoned split) makes the sum and the LSE NaN, and the callers poison the row from the sum."""
+    """``(has_tokens, LSE, norm, weight_sum, live)`` of the splits' LSEs along ``AXIS`` (-inf where a split is
+    masked off): whether any split read a token, the row's LSE (-inf where none did), each split's share
+    ``exp(lse_s - LSE)``, the sum of the weights and which splits read a token. A NaN split LSE (a poisoned split)
+    makes the sum and the LSE NaN, and the callers poison the row from the sum."""
     total = tl.max(lse, axis=AXIS)
     has_tokens = total > -FP32_INF
     safe_total = tl.where(has_tokens, total, 0.0)
@@ -977,7 +978,7 @@ def merge_weights(lse, AXIS: tl.constexpr):
     global_lse = tl.where(has_tokens, safe_total + tl.log(tl.where(has_tokens, weight_sum, 1.0)), -FP32_INF)
     global_lse = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), global_lse)
     norm = tl.where(tl.expand_dims(has_tokens, AXIS), weight / tl.expand_dims(weight_sum, AXIS), 0.0)
-    return has_tokens, global_lse, norm, weight_sum
+    return has_tokens, global_lse, norm, weight_sum, lse > -FP32_INF
 
 
 @triton.jit
@@ -1041,12 +1042,12 @@ def certificate_bound(a1, b, u_rest, p_rest, p_max, u_max):
 
 @triton.jit
 def store_merged_certificate(
-    Certificate, Accumulators, index, field, mask, partials, live, splits, merged, eval_slack, AXIS: tl.constexpr
+    Certificate, Accumulators, index, field, mask, partials, splits, merged, eval_slack, AXIS: tl.constexpr
 ):  # fmt: skip
     """Evaluate a row's certificate from its splits' ``partials`` along ``AXIS`` and store it at ``index`` with the
-    six accumulators, one ``field`` (rows x heads) apart. ``merged``: ``merge_weights``' result; where its sum of
-    weights is NaN (a poisoned split) every value stored is NaN."""
-    has_tokens, global_lse, norm, weight_sum = merged
+    six accumulators, one ``field`` (rows x heads) apart (``mask``: which, or None for all). ``merged``:
+    ``merge_weights``' result; where its sum of weights is NaN (a poisoned split) every value stored is NaN."""
+    has_tokens, global_lse, norm, weight_sum, live = merged
     accumulators = merge_split_certificates(partials, norm, live, splits, tl.where(has_tokens, global_lse, 0.0), AXIS)
     poison = tl.where(weight_sum != weight_sum, (FP32_INF - FP32_INF), 0.0)
     bound = tl.where(has_tokens, certificate_bound(*accumulators) * eval_slack, 0.0)
@@ -1092,7 +1093,7 @@ def decode_stage2(
     part = (row * NUM_Q_HEADS + head) * NUM_SPLITS + splits
     lse = tl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
     merged = merge_weights(lse, 0)
-    _, global_lse, norm, weight_sum = merged
+    _, global_lse, norm, weight_sum, _ = merged
     channels = tl.arange(0, HEAD_DIM)
     parts = tl.load(PartOut + part[:, None] * HEAD_DIM + channels[None, :], mask=(norm > 0)[:, None], other=0.0)
     out = tl.sum(tl.where((norm > 0)[:, None], norm[:, None] * parts, 0.0), axis=0)
@@ -1102,6 +1103,6 @@ def decode_stage2(
     if CERTIFICATE:
         partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
         store_merged_certificate(
-            Certificate, Accumulators, row * NUM_Q_HEADS + head, tl.num_programs(0) * NUM_Q_HEADS, head < NUM_Q_HEADS,
-            partials, split_ok & (lse > -FP32_INF), splits, merged, eval_slack, 0,
+            Certificate, Accumulators, row * NUM_Q_HEADS + head, tl.num_programs(0) * NUM_Q_HEADS, None, partials,
+            splits, merged, eval_slack, 0,
         )  # fmt: skip

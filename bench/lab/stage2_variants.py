@@ -53,7 +53,7 @@ from witcert.kernels.triton_kernels import (  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128
 VARIANTS = [
-    "product", "product_w1", "product_w4",
+    "product", "product_w1", "product_w2", "product_w4",
     "heads4_w4_late", "heads4_w4_early", "heads4_w1_early", "heads7_w4_early", "heads4_w4_early_eager",
     "heads4_w1_early_eager", "gluon1", "gluon4",
 ]  # fmt: skip
@@ -78,7 +78,7 @@ def stage2_heads(
     if CERTIFICATE and EARLY:
         partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
     merged = merge_weights(lse, 1)
-    _, global_lse, norm, weight_sum = merged
+    _, global_lse, norm, weight_sum, _ = merged
     channels = tl.arange(0, HEAD_DIM)
     used = (norm > 0)[:, :, None]
     out_mask = split_ok[:, :, None] if EAGER_OUT else used
@@ -93,7 +93,7 @@ def stage2_heads(
             partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
         store_merged_certificate(
             Certificate, Accumulators, row * NUM_Q_HEADS + heads, tl.num_programs(0) * NUM_Q_HEADS, head_ok, partials,
-            split_ok & (lse > -FP32_INF), tl.zeros_like(part) + splits[None, :], merged, eval_slack, 1,
+            tl.zeros_like(part) + splits[None, :], merged, eval_slack, 1,
         )  # fmt: skip
 
 
@@ -117,7 +117,7 @@ def stage2_gluon(
     part = ((row * NUM_Q_HEADS + heads) * NUM_SPLITS)[:, None] + splits
     lse = gl.load(PartLse + part, mask=split_ok, other=-FP32_INF)
     merged = merge_weights(lse, 1)
-    _, global_lse, norm, weight_sum = merged
+    _, global_lse, norm, weight_sum, _ = merged
     channels = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, channel_layout))
     used = (norm > 0)[:, :, None]
     parts = gl.load(PartOut + part[:, :, None] * HEAD_DIM + channels[None, None, :], mask=used, other=0.0)
@@ -132,7 +132,7 @@ def stage2_gluon(
         partials = load_split_certificates(PartMax, PartA1, PartB, PartURest, PartPRest, PartU, part, split_ok)
         store_merged_certificate(
             Certificate, Accumulators, row * NUM_Q_HEADS + heads, gl.num_programs(0) * NUM_Q_HEADS, head_ok, partials,
-            split_ok & (lse > -FP32_INF), gl.zeros_like(part) + splits, merged, eval_slack, 1,
+            gl.zeros_like(part) + splits, merged, eval_slack, 1,
         )  # fmt: skip
 
 
